@@ -1,0 +1,67 @@
+"""Shared helpers for the test suite (CPU only, nothing downloaded)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from verl.workers.config.actor import ActorConfig
+
+from verl_sat import SATPolicyLossConfig
+
+REPO = Path(__file__).resolve().parents[1]
+SHARED_DATA = Path(os.environ.get("VERL_SAT_SHARED_DATA", REPO.parent / "shared" / "data"))
+
+
+def actor_config(
+    loss_mode: str = "sat",
+    eps_low: float = 0.2,
+    eps_high: float = 0.2,
+    clip_ratio_c: float = 3.0,
+    global_batch_info: dict | None = None,
+    **sat: object,
+) -> ActorConfig:
+    """An ActorConfig as verl's worker builds it, carrying a SATPolicyLossConfig."""
+    return ActorConfig(
+        strategy="fsdp",
+        rollout_n=1,
+        ppo_micro_batch_size_per_gpu=1,
+        clip_ratio=eps_high,
+        clip_ratio_low=eps_low,
+        clip_ratio_high=eps_high,
+        clip_ratio_c=clip_ratio_c,
+        policy_loss=SATPolicyLossConfig(loss_mode=loss_mode, **sat),
+        global_batch_info=global_batch_info or {},
+    )
+
+
+@pytest.fixture
+def make_config():
+    return actor_config
+
+
+def random_batch(
+    seed: int,
+    batch: int,
+    length: int,
+    scale: float = 0.3,
+    dtype: torch.dtype = torch.float32,
+    ties: bool = False,
+) -> dict[str, torch.Tensor]:
+    """old/new log-probs, advantages (one per sequence, GRPO-style) and a response mask."""
+    g = torch.Generator().manual_seed(seed)
+    old = -torch.rand(batch, length, generator=g, dtype=torch.float64) * 3
+    d = torch.randn(batch, length, generator=g, dtype=torch.float64) * scale
+    if ties:
+        d = torch.round(d * 10) / 10  # many equal |d|: exercises the quantile's tie handling
+    adv = torch.randn(batch, 1, generator=g, dtype=torch.float64).expand(batch, length).clone()
+    lengths = torch.randint(0, length + 1, (batch,), generator=g)
+    mask = (torch.arange(length)[None, :] < lengths[:, None]).to(dtype)
+    return {
+        "old_log_prob": old.to(dtype),
+        "log_prob": (old + d).to(dtype),
+        "advantages": adv.to(dtype),
+        "response_mask": mask,
+    }

@@ -1,0 +1,66 @@
+"""SATPolicyLossConfig: validation errors name the key and value; Hydra/_target_ selection works."""
+
+from __future__ import annotations
+
+import pytest
+from omegaconf import OmegaConf
+from verl.utils.config import omega_conf_to_dataclass
+from verl.workers.config.actor import PolicyLossConfig
+
+from verl_sat import SATPolicyLossConfig
+from verl_sat.config import sat_settings
+
+
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("sat_alpha", 0.0),
+        ("sat_alpha", 1.0),
+        ("sat_alpha", 1.5),
+        ("sat_alpha", -0.1),
+        ("sat_alpha", "0.9"),
+        ("sat_alpha", True),
+        ("sat_kernel", "gauss"),
+        ("sat_kernel", ""),
+        ("sat_kernel_exponent", 0.0),
+        ("sat_kernel_exponent", -2.0),
+        ("sat_kernel_exponent", "2"),
+        ("sat_enabled", "yes"),
+    ],
+)
+def test_invalid_values_name_field_and_value(field, value):
+    with pytest.raises(ValueError) as err:
+        SATPolicyLossConfig(**{field: value})
+    assert f"actor_rollout_ref.actor.policy_loss.{field}" in str(err.value)
+    assert repr(value) in str(err.value)
+
+
+def test_defaults_are_the_papers():
+    cfg = SATPolicyLossConfig()
+    assert (cfg.sat_enabled, cfg.sat_alpha, cfg.sat_kernel, cfg.sat_kernel_exponent) == (True, 0.9, "hill", 2.0)
+    assert isinstance(cfg, PolicyLossConfig)
+
+
+def test_selected_through_target_like_hydra():
+    node = OmegaConf.create(
+        {
+            "_target_": "verl_sat.SATPolicyLossConfig",
+            "loss_mode": "sat_gspo",
+            "sat_alpha": 0.8,
+            "sat_kernel_exponent": 3,
+        }
+    )
+    cfg = omega_conf_to_dataclass(node)
+    assert isinstance(cfg, SATPolicyLossConfig)
+    assert (cfg.loss_mode, cfg.sat_alpha, cfg.sat_kernel_exponent) == ("sat_gspo", 0.8, 3)
+    # hydra wraps the ValueError; the message still names the key and the value
+    with pytest.raises(Exception, match=r"policy_loss\.sat_alpha must be a number in \(0, 1\), got 2"):
+        omega_conf_to_dataclass(OmegaConf.create({"_target_": "verl_sat.SATPolicyLossConfig", "sat_alpha": 2}))
+
+
+def test_sat_settings_from_plain_verl_config_and_dicts():
+    assert sat_settings(PolicyLossConfig(loss_mode="sat")) == SATPolicyLossConfig()
+    from_dict = sat_settings(OmegaConf.create({"loss_mode": "sat", "sat_alpha": 0.75}))
+    assert from_dict.sat_alpha == 0.75
+    with pytest.raises(ValueError, match="sat_kernel"):
+        sat_settings({"sat_kernel": "box"})

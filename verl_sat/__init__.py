@@ -1,0 +1,11 @@
+"""verl-sat: the Staleness-Adaptive Trust Region (SAT) for asynchronous RL on verl.
+
+``import verl_sat`` registers the policy losses ``"sat"`` and ``"sat_gspo"`` in verl's
+``POLICY_LOSS_REGISTRY`` (SPEC §2-§3). See docs/sat.md.
+"""
+
+from verl_sat.config import SATPolicyLossConfig
+from verl_sat.losses import compute_policy_loss_sat, compute_policy_loss_sat_gspo
+
+__all__ = ["SATPolicyLossConfig", "compute_policy_loss_sat", "compute_policy_loss_sat_gspo"]
+__version__ = "0.1.0"

@@ -1,0 +1,78 @@
+"""Dataclass configs of verl-sat, validated on construction.
+
+``SATPolicyLossConfig`` extends verl's ``PolicyLossConfig`` (the node
+``actor_rollout_ref.actor.policy_loss``) with the four settings of the SAT rule (SPEC §2).
+Select it from Hydra with::
+
+    actor_rollout_ref.actor.policy_loss._target_=verl_sat.SATPolicyLossConfig
+    actor_rollout_ref.actor.policy_loss.loss_mode=sat_gspo
+
+(our ``hydra_configs`` declare the ``sat_*`` keys, so no ``+`` is needed there).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from verl.workers.config.actor import PolicyLossConfig
+
+POLICY_LOSS_KEY = "actor_rollout_ref.actor.policy_loss"
+
+# The kernels psi(u; q) the rule may use; each has psi(0) = 1, psi(q) = 1/2, non-increasing.
+KERNELS = ("hill", "exponential")
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+@dataclass
+class SATPolicyLossConfig(PolicyLossConfig):
+    """verl's policy-loss config plus the SAT rule (SPEC §2).
+
+    Args:
+        sat_enabled: apply the SAT contraction; False makes ``sat`` / ``sat_gspo`` bit-identical
+            to verl's ``vanilla`` / ``gspo`` (SPEC §2, identity when off).
+        sat_alpha: quantile level alpha of the batch reference q, in (0, 1). Paper: 0.90.
+        sat_kernel: the kernel psi(u; q): ``"hill"`` = 1 / (1 + (u/q)^p) (paper) or
+            ``"exponential"`` = 2^(-(u/q)^p).
+        sat_kernel_exponent: the exponent p > 0 of the kernel. Paper: 2.
+    """
+
+    sat_enabled: bool = True
+    sat_alpha: float = 0.9
+    sat_kernel: str = "hill"
+    sat_kernel_exponent: float = 2.0
+
+    def __post_init__(self) -> None:
+        parent_post_init = getattr(super(), "__post_init__", None)
+        if parent_post_init is not None:
+            parent_post_init()
+        if not isinstance(self.sat_enabled, bool):
+            raise ValueError(f"{POLICY_LOSS_KEY}.sat_enabled must be a bool, got {self.sat_enabled!r}")
+        if not _is_number(self.sat_alpha) or not 0.0 < self.sat_alpha < 1.0:
+            raise ValueError(f"{POLICY_LOSS_KEY}.sat_alpha must be a number in (0, 1), got {self.sat_alpha!r}")
+        if self.sat_kernel not in KERNELS:
+            raise ValueError(f"{POLICY_LOSS_KEY}.sat_kernel must be one of {list(KERNELS)}, got {self.sat_kernel!r}")
+        if not _is_number(self.sat_kernel_exponent) or not self.sat_kernel_exponent > 0:
+            raise ValueError(
+                f"{POLICY_LOSS_KEY}.sat_kernel_exponent must be a number > 0, got {self.sat_kernel_exponent!r}"
+            )
+
+
+SAT_FIELDS = ("sat_enabled", "sat_alpha", "sat_kernel", "sat_kernel_exponent")
+
+
+def sat_settings(policy_loss: object) -> SATPolicyLossConfig:
+    """The SAT settings carried by an actor's ``policy_loss`` node.
+
+    Accepts our dataclass, verl's plain ``PolicyLossConfig`` (defaults apply), a DictConfig or a
+    dict; any ``sat_*`` keys found are validated by ``SATPolicyLossConfig``.
+    """
+    if isinstance(policy_loss, SATPolicyLossConfig):
+        return policy_loss
+    if policy_loss is None:
+        return SATPolicyLossConfig()
+    getter = policy_loss.get if hasattr(policy_loss, "get") else lambda k, d=None: getattr(policy_loss, k, d)
+    found = {name: getter(name, None) for name in SAT_FIELDS}
+    return SATPolicyLossConfig(**{name: value for name, value in found.items() if value is not None})

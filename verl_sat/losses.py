@@ -1,0 +1,274 @@
+"""The registered SAT policy losses: ``"sat"`` (SAT-GRPO/PPO) and ``"sat_gspo"`` (SAT-GSPO).
+
+Both keep verl's ``PolicyLossFn`` signature and return verl's metrics plus ``actor/sat_*``
+diagnostics (SPEC §5). ``old_log_prob`` is the ratio's denominator: in the async recipes it is
+the rollout engine's log-prob mu (SPEC §4), so d = log pi_j - log mu carries the staleness.
+
+Paper: https://arxiv.org/abs/2607.18722 (SAT); GSPO: https://arxiv.org/abs/2507.18071
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from verl.trainer.ppo import core_algos
+from verl.trainer.ppo.core_algos import agg_loss, compute_policy_loss_gspo, compute_policy_loss_vanilla
+
+from verl_sat.config import SATPolicyLossConfig, sat_settings
+from verl_sat.sat_rule import SATFactors, intercepted, sat_clip, sat_factors
+
+LOG_RATIO_CLAMP = 20.0  # verl's vanilla clamps log r to [-20, 20] before exp
+GSPO_LOG_RATIO_MAX = 10.0  # verl's gspo clamps log s_{b,t} at 10 before exp
+
+
+# ---------------------------------------------------------------------------------------------
+# shared pieces
+# ---------------------------------------------------------------------------------------------
+def clip_radii(config: Any) -> tuple[float, float]:
+    """(eps_low, eps_high): ``actor.clip_ratio_low/high``, falling back to ``actor.clip_ratio``."""
+    eps_low = config.clip_ratio_low if config.clip_ratio_low is not None else config.clip_ratio
+    eps_high = config.clip_ratio_high if config.clip_ratio_high is not None else config.clip_ratio
+    return float(eps_low), float(eps_high)
+
+
+def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    return (x * mask).sum() / mask.sum().clamp(min=1)
+
+
+def sat_metrics(
+    f: SATFactors,
+    n_active: int,
+    eps_low: float,
+    eps_high: float,
+    n_intercepted: torch.Tensor,
+    abs_d_sum: torch.Tensor,
+    base: list[torch.Tensor],
+) -> list[float]:
+    """SPEC §5 diagnostics over the n active tokens, read back with ``base`` in one transfer.
+
+    Ungated tokens have c = 1, so every mean below only needs the gated tokens:
+    mean(eps_low * c_minus) = eps_low * (1 - sum_{gated, d<0} (1 - c) / n), likewise for eps_high.
+    """
+    one = torch.ones((), dtype=f.c.dtype, device=f.c.device)
+    shrink = 1.0 - f.c
+    values = base + [
+        f.q.to(one.dtype),
+        f.c.min() if f.c.numel() else one,  # strongest contraction min(c_plus, c_minus)
+        eps_low * (1 - shrink[~f.positive].sum() / n_active),  # mean effective lower radius
+        eps_high * (1 - shrink[f.positive].sum() / n_active),  # mean effective upper radius
+        n_intercepted / n_active,  # clipped by SAT, not by PPO
+        abs_d_sum / n_active,  # dbar_pi = mean |d_{b,t}| over T_act (paper Eq. 52)
+    ]
+    return torch.stack([v.to(one.dtype) for v in values]).tolist()
+
+
+SAT_METRIC_NAMES = [
+    "actor/sat_q",
+    "actor/sat_c_min",
+    "actor/sat_eps_low_mean",
+    "actor/sat_eps_high_mean",
+    "actor/sat_intercepted_frac",
+    "actor/mismatch_abs_mean",
+]
+
+
+def mismatch_metric(log_prob: torch.Tensor, old_log_prob: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
+    """dbar_pi = mean over T_act of |log pi - log mu| (SPEC §1, token level for every method)."""
+    d = (log_prob.detach() - old_log_prob.detach()).abs()
+    return {"actor/mismatch_abs_mean": masked_mean(d, mask.to(d.dtype)).item()}
+
+
+def empty_batch(log_prob: torch.Tensor, eps_low: float, eps_high: float) -> tuple[torch.Tensor, dict[str, Any]]:
+    """No active token: zero loss that still backpropagates (zeros), no NaN (SPEC §2 edge cases)."""
+    loss = log_prob.masked_fill(torch.ones_like(log_prob, dtype=torch.bool), 0.0).sum()
+    metrics = {
+        "actor/pg_clipfrac": 0.0,
+        "actor/ppo_kl": 0.0,
+        "actor/pg_clipfrac_lower": 0.0,
+        "actor/sat_q": 0.0,
+        "actor/sat_gate_rate": 0.0,
+        "actor/sat_c_min": 1.0,
+        "actor/sat_eps_low_mean": eps_low,
+        "actor/sat_eps_high_mean": eps_high,
+        "actor/sat_intercepted_frac": 0.0,
+        "actor/mismatch_abs_mean": 0.0,
+    }
+    return loss, metrics
+
+
+def _disabled(base_fn, args: tuple, mask: torch.Tensor) -> tuple[torch.Tensor, dict[str, Any]]:
+    """SAT off: the base loss itself (bit-identical), plus the mismatch metric."""
+    old_log_prob, log_prob = args[0], args[1]
+    loss, metrics = base_fn(*args)
+    return loss, {**metrics, **mismatch_metric(log_prob, old_log_prob, mask)}
+
+
+# ---------------------------------------------------------------------------------------------
+# ALGO LOGIC: SAT on verl's vanilla (token level, SPEC §2)
+# ---------------------------------------------------------------------------------------------
+def compute_policy_loss_sat(
+    old_log_prob: torch.Tensor,
+    log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    loss_agg_mode: str = "token-mean",
+    config: Any = None,
+    rollout_is_weights: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, Any]]:
+    """SAT-GRPO / SAT-PPO: PPO's clipped surrogate with staleness-contracted radii (SPEC §2).
+
+    d   = clamp(log pi - log mu, -20, 20),  r = exp(d)                     (SPEC §1)
+    eps_low~ = eps_low * c_minus(d),  eps_high~ = eps_high * c_plus(d)     (SPEC §2 steps 1-6)
+    S   = min(r A, clip(r, 1 - eps_low~, 1 + eps_high~) A);  loss = -S     (SPEC §2 step 7)
+    plus verl's dual clip for A < 0: loss = min(loss, -A * clip_ratio_c).
+    """
+    assert config is not None, "the sat loss needs the actor config (clip ratios, policy_loss)"
+    sat: SATPolicyLossConfig = sat_settings(config.policy_loss)
+    args = (old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config, rollout_is_weights)
+    if not sat.sat_enabled:
+        return _disabled(compute_policy_loss_vanilla, args, response_mask)
+    eps_low, eps_high = clip_radii(config)
+    mask = response_mask.bool()
+    n_active = int(mask.sum().item())
+    if n_active == 0:
+        return empty_batch(log_prob, eps_low, eps_high)
+    clip_ratio_c = config.get("clip_ratio_c", 3.0)
+    if not clip_ratio_c > 1.0:
+        raise ValueError(f"actor_rollout_ref.actor.clip_ratio_c must be > 1.0 (dual clip), got {clip_ratio_c}")
+
+    log_ratio = torch.clamp(log_prob - old_log_prob, min=-LOG_RATIO_CLAMP, max=LOG_RATIO_CLAMP)  # d_{b,t}
+    ratio = torch.exp(log_ratio)  # r_{b,t}
+    f = sat_factors(log_ratio, mask, sat.sat_alpha, sat.sat_kernel, sat.sat_kernel_exponent)
+
+    pg_losses1 = -advantages * ratio  # -r A
+    pg_losses2 = -advantages * sat_clip(ratio, f, eps_low, eps_high)  # -clip(r, 1 - eps_low~, 1 + eps_high~) A
+    clip_pg_losses1 = torch.maximum(pg_losses1, pg_losses2)  # -S
+    pg_losses3 = -advantages * clip_ratio_c  # dual clip bound for A < 0
+    clip_pg_losses2 = torch.min(pg_losses3, clip_pg_losses1)
+    pg_losses = torch.where(advantages < 0, clip_pg_losses2, clip_pg_losses1)
+    if rollout_is_weights is not None:
+        pg_losses = pg_losses * rollout_is_weights
+    pg_loss = agg_loss(
+        loss_mat=pg_losses, loss_mask=response_mask, loss_agg_mode=loss_agg_mode, **config.global_batch_info
+    )
+
+    m = response_mask.to(ratio.dtype)
+    abs_d = log_ratio.detach().abs()
+    base = [
+        masked_mean(torch.gt(pg_losses2, pg_losses1).to(m.dtype), m),  # actor/pg_clipfrac
+        -(log_ratio.detach() * m).sum() / n_active,  # actor/ppo_kl
+        masked_mean((torch.gt(clip_pg_losses1, pg_losses3) & (advantages < 0)).to(m.dtype), m),
+    ]
+    return pg_loss, _metrics(f, n_active, eps_low, eps_high, ratio, advantages, abs_d, m, base)
+
+
+def _metrics(
+    f: SATFactors,
+    n_active: int,
+    eps_low: float,
+    eps_high: float,
+    ratio: torch.Tensor,
+    advantages: torch.Tensor,
+    abs_d: torch.Tensor,
+    m: torch.Tensor,
+    base: list[torch.Tensor],
+) -> dict[str, Any]:
+    """verl's three loss metrics + SAT's (SPEC §5), one device-to-host transfer."""
+    n_intercepted = intercepted(ratio, advantages, f, eps_low, eps_high)
+    abs_d_sum = (abs_d * m).sum()
+    values = sat_metrics(f, n_active, eps_low, eps_high, n_intercepted, abs_d_sum, base)
+    names = ["actor/pg_clipfrac", "actor/ppo_kl", "actor/pg_clipfrac_lower"] + SAT_METRIC_NAMES
+    metrics = dict(zip(names, values, strict=True))
+    metrics["actor/sat_gate_rate"] = f.idx.numel() / n_active  # mean 1{q > 0, |d| > q} over T_act
+    return metrics
+
+
+# ---------------------------------------------------------------------------------------------
+# ALGO LOGIC: SAT on verl's gspo (sequence level, SPEC §3)
+# ---------------------------------------------------------------------------------------------
+def compute_policy_loss_sat_gspo(
+    old_log_prob: torch.Tensor,
+    log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    loss_agg_mode: str = "seq-mean-token-mean",
+    config: Any = None,
+    rollout_is_weights: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, Any]]:
+    """SAT-GSPO: GSPO's sequence ratio in the objective and in the SAT score (SPEC §3).
+
+    log rho_b = (1/|y_b|) sum_t (log pi_{b,t} - log mu_{b,t})             (length-normalised)
+    d_{b,t}   = log rho_b for every active t of response b                 (broadcast, then quantile)
+    s_{b,t}   = sg[rho_b] * pi_{b,t} / sg[pi_{b,t}]                         (GSPO-token gradient form)
+    S = min(s A, clip(s, 1 - eps_low~, 1 + eps_high~) A);  loss = -S
+    """
+    assert config is not None, "the sat_gspo loss needs the actor config (clip ratios, policy_loss)"
+    sat: SATPolicyLossConfig = sat_settings(config.policy_loss)
+    args = (old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config, rollout_is_weights)
+    if not sat.sat_enabled:
+        return _disabled(compute_policy_loss_gspo, args, response_mask)
+    eps_low, eps_high = clip_radii(config)
+    mask = response_mask.bool()
+    n_active = int(mask.sum().item())
+    if n_active == 0:
+        return empty_batch(log_prob, eps_low, eps_high)
+
+    negative_approx_kl = log_prob - old_log_prob  # log r_{b,t}
+    seq_lengths = torch.sum(response_mask, dim=-1).clamp(min=1)
+    log_rho = torch.sum(negative_approx_kl * response_mask, dim=-1) / seq_lengths  # log rho_b
+    log_s = log_prob - log_prob.detach() + log_rho.detach().unsqueeze(-1)  # log s_{b,t}
+    log_s = torch.clamp(log_s, max=GSPO_LOG_RATIO_MAX)
+    s = torch.exp(log_s)
+
+    d = log_rho.detach().unsqueeze(-1).expand_as(log_prob)  # sequence score on every token
+    f = sat_factors(d, mask, sat.sat_alpha, sat.sat_kernel, sat.sat_kernel_exponent)
+
+    pg_losses1 = -advantages * s
+    pg_losses2 = -advantages * sat_clip(s, f, eps_low, eps_high)
+    pg_losses = torch.maximum(pg_losses1, pg_losses2)  # -S
+    if rollout_is_weights is not None:
+        pg_losses = pg_losses * rollout_is_weights
+    pg_loss = agg_loss(
+        loss_mat=pg_losses, loss_mask=response_mask, loss_agg_mode=loss_agg_mode, **config.global_batch_info
+    )
+
+    m = response_mask.to(s.dtype)
+    token_d = negative_approx_kl.detach()
+    base = [
+        masked_mean(torch.gt(pg_losses2, pg_losses1).to(m.dtype), m),  # actor/pg_clipfrac
+        -(token_d * m).sum() / n_active,  # actor/ppo_kl
+        torch.zeros((), dtype=m.dtype, device=m.device),  # actor/pg_clipfrac_lower (no dual clip in GSPO)
+    ]
+    return pg_loss, _metrics(f, n_active, eps_low, eps_high, s, advantages, token_d.abs(), m, base)
+
+
+# ---------------------------------------------------------------------------------------------
+# registration
+# ---------------------------------------------------------------------------------------------
+SAT_LOSSES = {"sat": compute_policy_loss_sat, "sat_gspo": compute_policy_loss_sat_gspo}
+
+
+def _same_function(a: Any, b: Any) -> bool:
+    """True for the same function, or the same one re-imported (module reload)."""
+    key = ("__module__", "__qualname__")
+    return a is b or all(getattr(a, k, None) == getattr(b, k, None) for k in key)
+
+
+def register_sat_losses() -> None:
+    """Register ``sat`` and ``sat_gspo`` in verl's ``POLICY_LOSS_REGISTRY``.
+
+    Refuses to replace a different function already registered under one of these names
+    (as verl's ``register_adv_est`` does), instead of silently shadowing it.
+    """
+    for name, fn in SAT_LOSSES.items():
+        existing = core_algos.POLICY_LOSS_REGISTRY.get(name)
+        if existing is not None and not _same_function(existing, fn):
+            raise ValueError(
+                f"policy loss {name!r} is already registered to {existing.__module__}.{existing.__qualname__}; "
+                "verl-sat will not replace it"
+            )
+        core_algos.register_policy_loss(name)(fn)
+
+
+register_sat_losses()

@@ -1,0 +1,175 @@
+"""The SAT rule: staleness score -> batch reference q -> kernel -> contraction (SPEC §2).
+
+One rule, shared by the token-level loss ``sat`` and the sequence-level loss ``sat_gspo``;
+only the score ``d`` differs (token log-ratio vs. GSPO's length-normalised sequence log-ratio
+broadcast to the response's tokens, SPEC §3).
+
+Paper: "Stale but Stable: Staleness-Adaptive Trust Regions for Stabilizing Asynchronous
+Reinforcement Learning", https://arxiv.org/abs/2607.18722
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from fractions import Fraction
+
+import torch
+
+# Integer/low-precision dtypes are selected in fp32: every bf16/fp16 value is exact in fp32,
+# so the selected element, cast back, is bit-exact.
+_SELECT_DTYPES = (torch.float32, torch.float64)
+
+
+def quantile_rank(alpha: float, n: int) -> int:
+    """k = ceil(alpha * n): the 1-based rank of the inverse-CDF alpha-quantile of n values.
+
+    F(v_(k)) = k / n >= alpha first holds at k = ceil(alpha n) (SPEC §2 step 2). alpha is read
+    as the decimal the user wrote (0.7 -> 7/10), so 0.7 * 10 gives rank 7, not 8.
+    """
+    exact = Fraction(alpha).limit_denominator(10**9)
+    return max(1, math.ceil(exact * n))
+
+
+def masked_quantile(x: torch.Tensor, mask: torch.Tensor, alpha: float) -> torch.Tensor:
+    """q = the alpha-quantile of x over mask, inverse-CDF convention, by selection (SPEC §2 step 2).
+
+    The smallest v in x[mask] with #{x[mask] <= v} / n >= alpha, i.e. the k-th smallest with
+    k = ceil(alpha n), read as the minimum of the m = n - k + 1 largest. ``torch.topk`` is a
+    selection (no full sort, no 16M-element limit unlike ``torch.quantile``); we do not use
+    ``torch.kthvalue``, whose CPU quickselect degrades to O(n^2) on descending input (30 s for
+    1M elements, measured). Inactive positions are set to -inf so they never enter the top m.
+    Returns 0 when mask is empty.
+    """
+    n = int(mask.sum().item())
+    if n == 0:
+        return torch.zeros((), dtype=x.dtype, device=x.device)
+    m = n - quantile_rank(alpha, n) + 1
+    work = x if x.dtype in _SELECT_DTYPES else x.float()
+    work = work.masked_fill(~mask, float("-inf")).reshape(-1)
+    return torch.topk(work, m, sorted=False).values.min().to(x.dtype)
+
+
+def kernel_psi(u: torch.Tensor, q: torch.Tensor, kernel: str, exponent: float) -> torch.Tensor:
+    """psi(u; q) with psi(0) = 1, psi(q) = 1/2, non-increasing in u (SPEC §2 step 4).
+
+    hill:        psi = 1 / (1 + (u/q)^p)        (paper: "Hill kernel, exponent 2")
+    exponential: psi = 2^(-(u/q)^p)
+    """
+    z = (u / q) ** exponent
+    if kernel == "hill":
+        return 1.0 / (1.0 + z)
+    if kernel == "exponential":
+        return torch.exp2(-z)
+    raise ValueError(f"unknown SAT kernel {kernel!r}; expected 'hill' or 'exponential'")
+
+
+@dataclass
+class SATFactors:
+    """What the rule computes for one (micro)batch, all detached.
+
+    Only gated tokens (at most a fraction 1 - alpha of T_act) carry a contraction, so the
+    factors are kept at those tokens: ``idx`` indexes the flattened score, ``c`` = psi(|d|; q)
+    there, ``positive`` = sign(d) > 0 there. ``c_plus`` / ``c_minus`` give the dense view.
+    """
+
+    q: torch.Tensor  # () the batch reference
+    gate: torch.Tensor  # bool, shape of d: 1{mask, q > 0, |d| > q}
+    idx: torch.Tensor  # (G,) flat indices of the gated tokens
+    c: torch.Tensor  # (G,) psi(|d|; q) at the gated tokens, in (0, 1/2)
+    positive: torch.Tensor  # (G,) bool, d > 0 at the gated tokens
+
+    def _dense(self, side: torch.Tensor) -> torch.Tensor:
+        out = torch.ones(self.gate.shape, dtype=self.c.dtype, device=self.c.device).reshape(-1)
+        out[self.idx[side]] = self.c[side]
+        return out.view(self.gate.shape)
+
+    @property
+    def c_plus(self) -> torch.Tensor:
+        """c_plus = psi(u_plus; q) where gated (d > 0), 1 elsewhere (psi(0) = 1 for d < 0)."""
+        return self._dense(self.positive)
+
+    @property
+    def c_minus(self) -> torch.Tensor:
+        """c_minus = psi(u_minus; q) where gated (d < 0), 1 elsewhere."""
+        return self._dense(~self.positive)
+
+
+def sat_factors(d: torch.Tensor, mask: torch.Tensor, alpha: float, kernel: str, exponent: float) -> SATFactors:
+    """Staleness score d -> (q, gate, c_plus, c_minus) (SPEC §2 steps 1-5).
+
+    d_sg    = stopgrad(d)
+    q       = stopgrad(alpha-quantile of |d_sg| over T_act)
+    u_plus  = max(d_sg, 0),  u_minus = max(-d_sg, 0)
+    gate    = 1{q > 0 and |d_sg| > q}
+    c_plus  = psi(u_plus; q)  if gate else 1
+    c_minus = psi(u_minus; q) if gate else 1
+    A gated token has exactly one of u_plus, u_minus equal to |d_sg| > 0 and the other 0, where
+    psi(0) = 1: so only the endpoint on the side of sign(d) can move.
+    """
+    d_sg = d.detach()
+    mask = mask.bool()
+    a = d_sg.abs()
+    q = masked_quantile(a, mask, alpha)
+    gate = mask & (a > q) & (q > 0)
+    idx = gate.reshape(-1).nonzero().squeeze(-1)
+    d_gated = d_sg.reshape(-1)[idx]
+    c = kernel_psi(d_gated.abs(), q, kernel, exponent)
+    return SATFactors(q=q, gate=gate, idx=idx, c=c, positive=d_gated > 0)
+
+
+def gated_bounds(f: SATFactors, eps_low: float, eps_high: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """[1 - eps_low~, 1 + eps_high~] at the gated tokens (SPEC §2 step 6); (G,) each.
+
+    eps_low~ = eps_low * c_minus,  eps_high~ = eps_high * c_plus
+    """
+    lower = torch.where(f.positive, 1.0 - eps_low, 1.0 - eps_low * f.c)
+    upper = torch.where(f.positive, 1.0 + eps_high * f.c, 1.0 + eps_high)
+    return lower, upper
+
+
+def adaptive_bounds(
+    f: SATFactors, eps_low: float, eps_high: float, like: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The clip interval [1 - eps_low~, 1 + eps_high~] for every token (dense view of step 6).
+
+    Ungated tokens get the base endpoints, computed as verl computes them (a Python scalar
+    cast to the tensor's dtype), so their interval is bit-identical to PPO's.
+    """
+    lower_g, upper_g = gated_bounds(f, eps_low, eps_high)
+    lower = torch.full(like.shape, 1.0 - eps_low, dtype=like.dtype, device=like.device).reshape(-1)
+    upper = torch.full(like.shape, 1.0 + eps_high, dtype=like.dtype, device=like.device).reshape(-1)
+    lower[f.idx] = lower_g.to(like.dtype)
+    upper[f.idx] = upper_g.to(like.dtype)
+    return lower.view(like.shape), upper.view(like.shape)
+
+
+def sat_clip(ratio: torch.Tensor, f: SATFactors, eps_low: float, eps_high: float) -> torch.Tensor:
+    """clip(r, 1 - eps_low~, 1 + eps_high~), differentiable in r (SPEC §2 step 7).
+
+    PPO's clip with scalar radii everywhere (the very op verl's losses use, so ungated tokens
+    are bit-identical), then the gated tokens re-clipped to their contracted interval.
+    """
+    clipped = torch.clamp(ratio, 1.0 - eps_low, 1.0 + eps_high)
+    if f.idx.numel() == 0:
+        return clipped
+    lower_g, upper_g = gated_bounds(f, eps_low, eps_high)
+    r_gated = ratio.reshape(-1)[f.idx]
+    reclipped = torch.clamp(r_gated, lower_g.to(ratio.dtype), upper_g.to(ratio.dtype))
+    return clipped.reshape(-1).index_put((f.idx,), reclipped).view_as(ratio)
+
+
+def intercepted(
+    ratio: torch.Tensor, advantages: torch.Tensor, f: SATFactors, eps_low: float, eps_high: float
+) -> torch.Tensor:
+    """Number of tokens in a band clipped by SAT and not by PPO (SPEC §2, exact locus of change).
+
+    {A > 0, 1 + eps_high~ < r < 1 + eps_high}  or  {A < 0, 1 - eps_low < r < 1 - eps_low~}
+    Only gated tokens have a contracted interval, so only they are examined.
+    """
+    lower_g, upper_g = gated_bounds(f, eps_low, eps_high)
+    r = ratio.detach().reshape(-1)[f.idx]
+    adv = advantages.reshape(-1)[f.idx]
+    upper_band = (adv > 0) & (r > upper_g) & (r < 1.0 + eps_high)
+    lower_band = (adv < 0) & (r < lower_g) & (r > 1.0 - eps_low)
+    return (upper_band | lower_band).sum()
