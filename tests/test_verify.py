@@ -1,0 +1,202 @@
+"""Tests of verl_sat.eval.verify: extraction, normalisation, equivalence, the reward function."""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from fractions import Fraction
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from verl_sat.eval import compute_score, extract_answer, is_equivalent, normalize_answer, verify
+from verl_sat.eval.verify import call_with_timeout, latex_to_sympy_source, to_number
+
+FIXTURES = Path(__file__).parent / "fixtures"
+
+
+def shared_data_dir() -> Path:
+    """/work/shared/data next to the repository, or $VERL_SAT_SHARED_DATA."""
+    default = Path(__file__).parents[1].parent / "shared" / "data"
+    return Path(os.environ.get("VERL_SAT_SHARED_DATA", default)) if not default.is_dir() else default
+
+
+def load_aime24() -> list[dict]:
+    path = shared_data_dir() / "aime24.jsonl"
+    if not path.is_file():
+        pytest.skip(f"shared AIME24 data not found at {path} (set VERL_SAT_SHARED_DATA)")
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+
+
+def _pairs() -> list[dict]:
+    return [json.loads(line) for line in (FIXTURES / "verify_pairs.jsonl").read_text().splitlines() if line.strip()]
+
+
+@pytest.mark.parametrize("pair", _pairs(), ids=lambda p: p["note"])
+def test_tricky_pairs(pair: dict) -> None:
+    started = time.monotonic()
+    assert verify(pair["response"], pair["ground_truth"]) is pair["correct"]
+    assert time.monotonic() - started < 5.0
+
+
+def test_fixture_has_both_verdicts() -> None:
+    verdicts = [p["correct"] for p in _pairs()]
+    assert sum(verdicts) >= 20 and verdicts.count(False) >= 10
+
+
+# ---------------------------------------------------------------------------------------------
+# The 30 AIME24 reference answers in every supported style
+# ---------------------------------------------------------------------------------------------
+
+CORRECT_STYLES = [
+    "Adding up, the result is \\boxed{{{v}}}.",
+    "So the answer is $\\boxed{{{a}}}$",  # zero-padded as in the data
+    "Hence m + n = {v}.\nAnswer: {v}",
+    "Answer: {a}",
+    "**Answer:** ${v}$",
+    "Final answer: \\text{{{v}}}",
+    "\\boxed{{\\text{{{v}}}}}",
+    "\\boxed{{{v}.}}",
+    "We check 1 and 2 and conclude that the value is {v}",
+    "The answer is ${a}$.",
+    "Answer: \\({v}\\)",
+]
+
+
+@pytest.mark.parametrize("style", CORRECT_STYLES)
+def test_aime24_answers_correct_in_each_style(style: str) -> None:
+    for row in load_aime24():
+        a, v = row["answer"], int(row["answer"])
+        response = style.format(a=a, v=v)
+        assert verify(response, a), (response, a)
+        assert compute_score("aime24", response, a) == 1.0
+
+
+@pytest.mark.parametrize("style", CORRECT_STYLES)
+def test_aime24_answers_wrong_when_perturbed(style: str) -> None:
+    for row in load_aime24():
+        a, v = row["answer"], int(row["answer"])
+        for wrong in (v + 1, v - 1, v * 10 + 1):
+            response = style.format(a=f"{wrong:03d}" if wrong >= 0 else str(wrong), v=wrong)
+            assert not verify(response, a), (response, a)
+
+
+def test_aime24_last_answer_wins() -> None:
+    for row in load_aime24():
+        v = int(row["answer"])
+        assert not verify(f"I first thought \\boxed{{{v}}} but it is \\boxed{{{v + 2}}}", row["answer"])
+        assert verify(f"I first thought \\boxed{{{v + 2}}} but it is \\boxed{{{v}}}", row["answer"])
+
+
+# ---------------------------------------------------------------------------------------------
+# Units
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("response", "expected"),
+    [
+        ("a \\boxed{x^{\\{2\\}}} b", "x^{\\{2\\}}"),
+        ("\\boxed{a} then \\boxed{\\frac{1}{2}}", "\\frac{1}{2}"),
+        ("\\boxed{3} and then \\boxed{unclosed", "3"),
+        ("Answer: 42\n", "42"),
+        ("nothing here", None),
+        ("the values are 1,234 and 3/4", "3/4"),
+    ],
+)
+def test_extract_answer(response: str, expected: str | None) -> None:
+    assert extract_answer(response) == expected
+
+
+@pytest.mark.parametrize(
+    ("raw", "expected"),
+    [
+        ("025", "25"),
+        ("$\\dfrac{1}{2}$", "\\frac{1}{2}"),
+        ("\\left(1, 2\\right)", "(1,2)"),
+        ("10^\\circ", "10"),
+        ("1,000,000", "1000000"),
+        ("5 \\text{ cm}", "5"),
+        ("x = 3", "3"),
+        ("7.", "7"),
+        ("\\frac12", "\\frac{1}{2}"),
+        ("2 \\pi", "2\\pi"),
+        ("\\pi r^2", "\\pi r^2"),
+    ],
+)
+def test_normalize_answer(raw: str, expected: str) -> None:
+    assert normalize_answer(raw) == expected
+
+
+def test_to_number() -> None:
+    assert to_number("025") == 25
+    assert to_number("\\frac{3}{4}") == Fraction(3, 4)
+    assert to_number("-1/2") == Fraction(-1, 2)
+    assert to_number("1/0") is None
+    assert to_number("x") is None
+
+
+def test_sympy_source_rejects_code() -> None:
+    assert latex_to_sympy_source("__import__('os')") is None
+    assert latex_to_sympy_source("open(1)") is None
+    assert latex_to_sympy_source("10^{10^{10}}") is None
+    assert latex_to_sympy_source("\\frac{\\sqrt{2}}{2}") == "((sqrt(2))/(2))"
+
+
+def test_compute_score_signature_and_ground_truth_forms() -> None:
+    assert compute_score("aime24", "\\boxed{25}", "025", extra_info={"index": 0}) == 1.0
+    assert compute_score("aime24", "\\boxed{25}", 25) == 1.0
+    assert compute_score("math", "\\boxed{0.5}", ["1/3", "\\frac12"]) == 1.0
+    assert compute_score("math", "\\boxed{0.5}", "Solution ... so \\boxed{\\frac{1}{2}}") == 1.0
+    assert compute_score("aime24", "no answer", "025") == 0.0
+    assert isinstance(compute_score("aime24", "\\boxed{1}", "2"), float)
+
+
+def test_timeout_returns_none_in_main_and_worker_threads() -> None:
+    def slow() -> int:
+        time.sleep(3)
+        return 1
+
+    started = time.monotonic()
+    assert call_with_timeout(slow, 0.2) is None
+    assert call_with_timeout(lambda: 7, 1.0) == 7
+    result: list = []
+    worker = threading.Thread(target=lambda: result.append(call_with_timeout(slow, 0.2)))
+    worker.start()
+    worker.join()
+    assert result == [None]
+    assert time.monotonic() - started < 2.5
+
+
+# ---------------------------------------------------------------------------------------------
+# Invariants
+# ---------------------------------------------------------------------------------------------
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(min_value=0, max_value=999), st.integers(min_value=1, max_value=999))
+def test_integer_answers(n: int, delta: int) -> None:
+    assert verify(f"\\boxed{{{n:03d}}}", str(n))
+    assert verify(f"Answer: {n}", f"{n:03d}")
+    assert not verify(f"\\boxed{{{n + delta}}}", f"{n:03d}")
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(min_value=-50, max_value=50), st.sampled_from([1, 2, 4, 5, 8, 10, 20, 25]))
+def test_fraction_forms_agree(p: int, q: int) -> None:
+    value = Fraction(p, q)
+    decimal = str(value.numerator / value.denominator)
+    frac = f"\\frac{{{abs(p)}}}{{{q}}}" if p >= 0 else f"-\\frac{{{abs(p)}}}{{{q}}}"
+    assert is_equivalent(frac, decimal)
+    assert is_equivalent(f"{p}/{q}", frac)
+    assert not is_equivalent(frac, str(value + 1))
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.text(max_size=60))
+def test_verify_never_raises(text: str) -> None:
+    assert verify(text, "25") in (True, False)
