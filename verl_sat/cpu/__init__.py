@@ -1,0 +1,10 @@
+"""CPU support for verl 0.9.1: a platform plugin and a CPU weight-sync checkpoint engine.
+
+Selected with ``VERL_PLATFORM=cpu``. :func:`register` is called by ``verl_sat.plugin`` in every
+process that imports verl (Ray workers included); it is cheap and never imports torch-heavy verl
+modules eagerly. See ``docs/cpu.md`` for the env vars and Hydra overrides of a full run.
+"""
+
+from verl_sat.cpu.platform import register
+
+__all__ = ["register"]

@@ -1,0 +1,107 @@
+"""Synthetic verifiable arithmetic in the DAPO prompt format, written as verl-format parquet.
+
+Each row: ``data_source``, ``prompt`` (chat messages), ``ability``, ``reward_model``
+(``{"style": "rule", "ground_truth": "<int>"}``), ``extra_info``. The prompt is DAPO-Math-17k's
+template, which ends by asking for an ``Answer:`` line.
+
+Usage: ``python -m verl_sat.default.data --out DIR`` writes ``DIR/train.parquet`` and
+``DIR/val.parquet``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+DATA_SOURCE = "verl_sat/arith"
+
+DAPO_TEMPLATE = (
+    "Solve the following math problem step by step. The last line of your response should be of the "
+    "form Answer: $Answer (without quotes) where $Answer is the answer to the problem.\n\n"
+    "{problem}\n\nRemember to put your answer on its own line after \"Answer:\"."
+)
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One arithmetic question ``a op b`` and its integer answer."""
+
+    a: int
+    b: int
+    op: str
+
+    @property
+    def text(self) -> str:
+        return f"What is {self.a} {self.op} {self.b}?"
+
+    @property
+    def answer(self) -> int:
+        return self.a + self.b if self.op == "+" else self.a * self.b
+
+    @property
+    def solution(self) -> str:
+        """The supervised response: one working line, then the ``Answer:`` line."""
+        return f"{self.a} {self.op} {self.b} = {self.answer}\nAnswer: {self.answer}"
+
+
+def sample_problem(rng: random.Random) -> Problem:
+    """Addition of two numbers in [0, 15] (80%) or a small multiplication (20%).
+
+    Small on purpose: a ~1M-parameter model gets some of these right after a minute of SFT.
+    """
+    if rng.random() < 0.8:
+        return Problem(rng.randint(0, 15), rng.randint(0, 15), "+")
+    return Problem(rng.randint(0, 5), rng.randint(0, 9), "*")
+
+
+def make_prompt(problem: Problem) -> str:
+    """The user message in DAPO format."""
+    return DAPO_TEMPLATE.format(problem=problem.text)
+
+
+def to_row(problem: Problem, split: str, index: int) -> dict:
+    """A verl RL-dataset row."""
+    return {
+        "data_source": DATA_SOURCE,
+        "prompt": [{"role": "user", "content": make_prompt(problem)}],
+        "ability": "math",
+        "reward_model": {"style": "rule", "ground_truth": str(problem.answer)},
+        "extra_info": {"split": split, "index": index, "question": problem.text},
+    }
+
+
+def sample_problems(n: int, seed: int) -> list[Problem]:
+    """``n`` problems from a seeded generator."""
+    rng = random.Random(seed)
+    return [sample_problem(rng) for _ in range(n)]
+
+
+def write_parquet(out_dir: str | Path, n_train: int = 2048, n_val: int = 64, seed: int = 0) -> tuple[Path, Path]:
+    """Write ``train.parquet`` and ``val.parquet`` under ``out_dir`` and return their paths."""
+    import pandas as pd
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for split, n, split_seed in (("train", n_train, seed), ("val", n_val, seed + 1)):
+        rows = [to_row(p, split, i) for i, p in enumerate(sample_problems(n, split_seed))]
+        path = out / f"{split}.parquet"
+        pd.DataFrame(rows).to_parquet(path)
+        paths.append(path)
+    return paths[0], paths[1]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--n-train", type=int, default=2048)
+    parser.add_argument("--n-val", type=int, default=64)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    print(write_parquet(args.out, args.n_train, args.n_val, args.seed))
+
+
+if __name__ == "__main__":
+    main()
