@@ -4,6 +4,11 @@
 ``POLICY_LOSS_REGISTRY`` (SPEC §2-§3). See docs/sat.md.
 """
 
+# Import verl first: its plugin loader imports verl_sat.plugin, which needs our submodules. Were
+# verl first imported from inside one of them (half-initialized), the plugin would fail and verl
+# would swallow the error.
+import verl  # noqa: F401, I001
+
 from verl_sat.config import SATPolicyLossConfig
 from verl_sat.losses import compute_policy_loss_sat, compute_policy_loss_sat_gspo
 

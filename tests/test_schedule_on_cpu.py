@@ -1,0 +1,130 @@
+"""sat.lag onto verl's v1 keys, the sat: node, per-sample staleness, and the main job's plumbing."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from conftest import actor_config, random_batch
+from omegaconf import OmegaConf
+
+from verl_sat.actor import staleness_breakdown, staleness_in_steps
+from verl_sat.main import make_run_dir, progress_line, read_metrics, summary
+from verl_sat.schedule import SATRecipeConfig, apply_actor, apply_lag
+
+
+def v1_config(mode: str = "separate_async", mini: int = 8) -> OmegaConf:
+    return OmegaConf.create(
+        {
+            "data": {"train_batch_size": 999},
+            "actor_rollout_ref": {"actor": {"ppo_mini_batch_size": mini}, "rollout": {"calculate_log_probs": False}},
+            "trainer": {
+                "experiment_name": "x",
+                "logger": ["console"],
+                "default_local_dir": "checkpoints/p/x",
+                "v1": {
+                    "trainer_mode": mode,
+                    "separate_async": {"parameter_sync_step": 4, "num_warmup_batches": 1},
+                    "sampler": {"max_off_policy_threshold": 8},
+                },
+            },
+            "sat": {"run_dir": None},
+        }
+    )
+
+
+@pytest.mark.parametrize("lag", [1, 2, 8])
+def test_lag_maps_onto_separate_async(lag):
+    cfg = v1_config()
+    apply_lag(cfg, lag)
+    assert cfg.trainer.v1.separate_async.parameter_sync_step == lag
+    assert cfg.data.train_batch_size == lag * 8
+    assert cfg.trainer.v1.separate_async.num_warmup_batches == pytest.approx(1 / lag)
+    assert cfg.trainer.v1.sampler.max_off_policy_threshold == 2
+
+
+@pytest.mark.parametrize("mode", ["sync", "colocate_async", "sat_sync"])
+def test_lag_above_one_needs_separate_async(mode):
+    cfg = v1_config(mode)
+    apply_lag(cfg, 1)  # fine: these modes broadcast every step
+    with pytest.raises(ValueError, match=rf"sat.lag=8 needs trainer.v1.trainer_mode=separate_async.*{mode}"):
+        apply_lag(cfg, 8)
+
+
+def test_actor_selects_sat_trainer_mode_and_rollout_log_probs():
+    cfg = v1_config()
+    apply_actor(cfg, True)
+    assert cfg.trainer.v1.trainer_mode == "sat_separate_async"
+    assert cfg.actor_rollout_ref.rollout.calculate_log_probs is True
+    apply_actor(cfg, True)  # idempotent
+    assert cfg.trainer.v1.trainer_mode == "sat_separate_async"
+
+
+@pytest.mark.parametrize(
+    "node,message",
+    [
+        ({"lag": 0}, "sat.lag must be an integer >= 1, got 0"),
+        ({"lag": "2"}, "sat.lag must be an integer >= 1, got '2'"),
+        ({"lag": True}, "sat.lag must be an integer >= 1, got True"),
+        ({"routing_replay": "R4"}, "sat.routing_replay must be one of .* got 'R4'"),
+        ({"lagg": 2}, "unknown key.*sat.lagg"),
+    ],
+)
+def test_sat_node_validation_names_key_and_value(node, message):
+    with pytest.raises(ValueError, match=message):
+        SATRecipeConfig.from_node(OmegaConf.create(node))
+
+
+def test_staleness_in_steps():
+    # lag 4, trainer at global step 3 (starts from version 2), third mini-batch of the cycle
+    versions = np.array([2, 2, 1, 1])
+    s = staleness_in_steps(global_step=3, min_global_steps=versions, steps_per_sync=4, local_step=2)
+    # trained after (3-1)*4 + 2 = 10 steps; generated after v*4 steps
+    assert s.tolist() == [2, 2, 6, 6]
+    # sync mode: one mini-batch a step, fresh weights -> staleness 0
+    assert staleness_in_steps(5, np.array([4, 4, 4]), 1, 0).tolist() == [0, 0, 0]
+
+
+def test_staleness_breakdown_partitions_the_tokens():
+    b = random_batch(0, 6, 10, scale=0.3)
+    b["response_mask"][:, 0] = 1  # every sample has an active token
+    staleness = torch.tensor([0.0, 0.0, 1.0, 1.0, 2.0, 2.0])
+    for mode in ("sat", "sat_gspo"):
+        cfg = actor_config(mode)
+        m = staleness_breakdown(staleness, b["log_prob"], b["old_log_prob"], b["response_mask"], cfg)
+        fracs = [m[f"actor/sat_by_staleness/{s}/token_frac"] for s in (0, 1, 2)]
+        assert sum(fracs) == pytest.approx(1.0)
+        assert m["actor/staleness_max"] == 2.0 and m["actor/staleness_mean"] == pytest.approx(1.0)
+        # the per-staleness gate rates average back to the micro-batch's gate rate (<= 1 - alpha)
+        overall = sum(f * m[f"actor/sat_by_staleness/{s}/gate_rate"] for s, f in zip((0, 1, 2), fracs, strict=True))
+        assert overall <= 0.1 + 1e-6
+
+
+def test_run_dir_refuses_to_overwrite_a_run(tmp_path):
+    cfg = v1_config()
+    sat = SATRecipeConfig(run_dir=str(tmp_path / "run"))
+    run_dir = make_run_dir(cfg, sat)
+    assert cfg.trainer.logger == ["console", "file"]
+    assert cfg.trainer.default_local_dir == str(run_dir / "checkpoints")
+    (run_dir / "metrics.jsonl").write_text('{"step": 1, "data": {}}\n')
+    with pytest.raises(FileExistsError, match="already holds a run"):
+        make_run_dir(v1_config(), sat)
+    assert (run_dir / "metrics.jsonl").read_text() == '{"step": 1, "data": {}}\n'  # nothing lost
+
+
+def test_progress_and_summary_read_verls_file_logger(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    rows = [
+        {"step": s, "data": {"critic/score/mean": 0.1 * s, "actor/sat_gate_rate": 0.05, "timing_s/step": 2.0}}
+        for s in range(1, 5)
+    ]
+    rows[-1]["data"]["training/sat/staleness_steps/max"] = 2
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    flat = read_metrics(path)
+    assert flat[0] == {"step": 1, **rows[0]["data"]}
+    line = progress_line(flat[-1])
+    assert "step    4" in line and "reward 0.400" in line and "gate 0.050" in line and "staleness<= 2" in line
+    text = summary(flat, 10.0)
+    assert "4 steps" in text and "0.100 -> last-quarter 0.400" in text and "max staleness 2" in text

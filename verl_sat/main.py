@@ -1,0 +1,217 @@
+"""verl-sat's main job: ``python -m verl_sat.main`` (or ``verl-sat``), a Hydra app over verl's trainer.
+
+Default config ``sat_gspo_cpu``: SAT-GSPO, separate_async at lag 2, a tiny Qwen3-MoE on CPU
+(built, warmed up and cached on first use), the synthetic arithmetic task. Any Hydra override
+works, e.g. ``verl-sat sat.lag=8`` or ``actor_rollout_ref.actor.policy_loss.loss_mode=gspo``;
+``--config-name sat_paper`` selects the paper's GPU experiment (docs/reproduce.md).
+
+What it adds around verl's ``run_ppo``:
+1. ``sat:`` settings validated (``SATRecipeConfig``), ``sat.lag`` mapped onto verl's v1 keys
+   (``verl_sat.schedule``), AsyncSATActor selected (``trainer_mode=sat_<mode>``);
+2. a run directory (printed at start; ``sat.run_dir=``) with ``run.json`` and ``metrics.jsonl``
+   (verl's file logger: one JSON line per step);
+3. one progress line per step (step, reward, SAT gate rate, dbar_pi, staleness, seconds) and
+   a closing summary.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import hydra
+from omegaconf import DictConfig, OmegaConf, open_dict
+
+from verl_sat.paths import hydra_config_dir
+from verl_sat.schedule import SATRecipeConfig, apply_actor, apply_lag
+
+METRICS_FILE = "metrics.jsonl"
+PROGRESS_KEYS = {
+    "reward": "critic/score/mean",
+    "gate": "actor/sat_gate_rate",
+    "dbar_pi": "actor/mismatch_abs_mean",
+    "staleness": "training/sat/staleness_steps/max",
+    "seconds": "timing_s/step",
+}
+
+
+# ---------------------------------------------------------------------------------------------
+# set-up
+# ---------------------------------------------------------------------------------------------
+def default_assets_dir() -> Path:
+    root = os.environ.get("XDG_CACHE_HOME", str(Path.home() / ".cache"))
+    return Path(root) / "verl-sat" / "tiny_moe_v1"
+
+
+def ensure_default_assets(cfg: DictConfig, sat: SATRecipeConfig) -> None:
+    """Build (once, ~1 min) and point the config at the embedded tiny model, data and reward."""
+    from verl_sat.default import reward, warmup
+
+    assets = Path(sat.assets_dir) if sat.assets_dir else default_assets_dir()
+    model_dir, data_dir = assets / "model", assets / "data"
+    if not (model_dir / "config.json").exists() or not (data_dir / "train.parquet").exists():
+        print(f"[verl-sat] building the embedded tiny MoE and task in {assets} (once, ~1 min)", flush=True)
+        info = warmup.build(assets)
+        print(f"[verl-sat] warm-up done: sampled accuracy {info['sampled_accuracy']:.2f}", flush=True)
+    with open_dict(cfg):
+        cfg.actor_rollout_ref.model.path = str(model_dir)
+        cfg.data.train_files = str(data_dir / "train.parquet")
+        cfg.data.val_files = str(data_dir / "val.parquet")
+        cfg.reward.custom_reward_function.path = reward.__file__
+        cfg.reward.custom_reward_function.name = "compute_score"
+
+
+def make_run_dir(cfg: DictConfig, sat: SATRecipeConfig) -> Path:
+    run_dir = Path(sat.run_dir or f"runs/{cfg.trainer.experiment_name}-{time.strftime('%Y%m%d-%H%M%S')}")
+    run_dir = run_dir.resolve()
+    run_dir.mkdir(parents=True, exist_ok=True)
+    metrics = run_dir / METRICS_FILE
+    if metrics.exists() and metrics.stat().st_size > 0:
+        raise FileExistsError(f"{metrics} already holds a run; choose another sat.run_dir= (nothing was overwritten)")
+    with open_dict(cfg):
+        cfg.sat.run_dir = str(run_dir)
+        loggers = list(cfg.trainer.logger) if cfg.trainer.logger else []
+        if "file" not in loggers:
+            cfg.trainer.logger = loggers + ["file"]
+        if cfg.trainer.default_local_dir in (None, "") or "checkpoints/" in str(cfg.trainer.default_local_dir):
+            cfg.trainer.default_local_dir = str(run_dir / "checkpoints")
+    os.environ["VERL_FILE_LOGGER_PATH"] = str(metrics)
+    return run_dir
+
+
+def set_platform_env(cfg: DictConfig) -> None:
+    """CPU runs: the verl-sat CPU platform in every process (inherited by Ray workers)."""
+    if str(cfg.trainer.device) == "cpu":
+        os.environ.setdefault("VERL_PLATFORM", "cpu")
+        os.environ.setdefault("VERL_ENGINE_DEVICE", "cuda")  # FSDP engine is registered under "cuda"
+        os.environ.setdefault("OMP_NUM_THREADS", "1")
+        os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+        os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+
+
+# ---------------------------------------------------------------------------------------------
+# progress
+# ---------------------------------------------------------------------------------------------
+def read_metrics(path: Path) -> list[dict[str, Any]]:
+    """Rows of verl's file logger (``{"step", "data"}``) flattened to ``{"step", **data}``."""
+    rows = []
+    if not path.exists():
+        return rows
+    for line in path.read_text().splitlines():
+        if line.strip():
+            row = json.loads(line)
+            rows.append({"step": row["step"], **row.get("data", {})} if "data" in row else row)
+    return rows
+
+
+def progress_line(row: dict[str, Any]) -> str:
+    def fmt(key: str, spec: str) -> str:
+        value = row.get(PROGRESS_KEYS[key])
+        return format(value, spec) if isinstance(value, (int, float)) else "-"
+
+    return (
+        f"[verl-sat] step {row['step']:>4} | reward {fmt('reward', '.3f')} | gate {fmt('gate', '.3f')} | "
+        f"dbar_pi {fmt('dbar_pi', '.4f')} | staleness<= {fmt('staleness', '.0f')} | {fmt('seconds', '.1f')} s"
+    )
+
+
+class ProgressPrinter(threading.Thread):
+    """Tails metrics.jsonl (written by verl's trainer in its Ray actor) and prints a line a step."""
+
+    def __init__(self, path: Path, interval: float = 1.0) -> None:
+        super().__init__(daemon=True)
+        self.path, self.interval, self.printed = path, interval, 0
+        self.stopped = threading.Event()
+
+    def flush(self) -> None:
+        rows = read_metrics(self.path)
+        for row in rows[self.printed :]:
+            print(progress_line(row), flush=True)
+        self.printed = len(rows)
+
+    def run(self) -> None:
+        while not self.stopped.wait(self.interval):
+            try:
+                self.flush()
+            except (OSError, ValueError):
+                continue  # a line being written; read it next time
+
+    def stop(self) -> None:
+        self.stopped.set()
+        self.join()
+        self.flush()
+
+
+def summary(rows: list[dict[str, Any]], seconds: float) -> str:
+    if not rows:
+        return f"[verl-sat] no training step completed ({seconds:.0f} s)"
+    rewards = [r[PROGRESS_KEYS["reward"]] for r in rows if PROGRESS_KEYS["reward"] in r]
+    staleness = [r[PROGRESS_KEYS["staleness"]] for r in rows if PROGRESS_KEYS["staleness"] in r]
+    gate = [r[PROGRESS_KEYS["gate"]] for r in rows if PROGRESS_KEYS["gate"] in r]
+    k = max(1, len(rewards) // 4)
+    parts = [f"[verl-sat] {len(rows)} steps in {seconds:.0f} s"]
+    if rewards:
+        parts.append(f"reward first-quarter {sum(rewards[:k]) / k:.3f} -> last-quarter {sum(rewards[-k:]) / k:.3f}")
+    if gate:
+        parts.append(f"mean gate rate {sum(gate) / len(gate):.3f}")
+    if staleness:
+        parts.append(f"max staleness {max(staleness):.0f} steps")
+    return " | ".join(parts)
+
+
+# ---------------------------------------------------------------------------------------------
+# entry point
+# ---------------------------------------------------------------------------------------------
+def prepare(cfg: DictConfig) -> tuple[SATRecipeConfig, Path]:
+    """Validate ``sat:``, build assets, map lag/actor onto verl keys, make the run directory."""
+    sat = SATRecipeConfig.from_node(cfg.get("sat"))
+    if sat.default_assets:
+        ensure_default_assets(cfg, sat)
+    apply_lag(cfg, sat.lag)
+    apply_actor(cfg, sat.actor)
+    set_platform_env(cfg)
+    run_dir = make_run_dir(cfg, sat)
+    return sat, run_dir
+
+
+def run(cfg: DictConfig) -> list[dict[str, Any]]:
+    """Run verl's v1 trainer on ``cfg``; returns the per-step metrics."""
+    sat, run_dir = prepare(cfg)
+    print(f"[verl-sat] run_dir: {run_dir}", flush=True)
+    (run_dir / "run.json").write_text(
+        json.dumps(
+            {"method": sat.method, "lag": sat.lag, "config": OmegaConf.to_container(cfg, resolve=True)}, indent=1
+        )
+    )
+    import ray
+    from verl.trainer.main_ppo import TaskRunnerV1, run_ppo
+    from verl.trainer.ppo.utils import need_critic, need_reference_policy
+    from verl.utils.config import validate_config
+
+    validate_config(config=cfg, use_reference_policy=need_reference_policy(cfg), use_critic=need_critic(cfg))
+    printer = ProgressPrinter(run_dir / METRICS_FILE)
+    printer.start()
+    start = time.perf_counter()
+    try:
+        run_ppo(cfg, task_runner_class=TaskRunnerV1)
+    finally:
+        printer.stop()
+        if ray.is_initialized():
+            ray.shutdown()
+    rows = read_metrics(run_dir / METRICS_FILE)
+    print(summary(rows, time.perf_counter() - start), flush=True)
+    print(f"[verl-sat] metrics: {run_dir / METRICS_FILE}", flush=True)
+    return rows
+
+
+@hydra.main(config_path=str(hydra_config_dir()), config_name="sat_gspo_cpu", version_base=None)
+def main(cfg: DictConfig) -> None:
+    run(cfg)
+
+
+if __name__ == "__main__":
+    main()
