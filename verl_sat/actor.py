@@ -23,7 +23,8 @@ So verl-sat adds three small pieces, all through public seams:
 3. ``sat_ppo_loss``: calls verl's own ``ppo_loss`` with the sample staleness published through
    ``current_staleness()``, then adds the SAT diagnostics broken down by staleness:
    ``actor/sat_by_staleness/<s>/{token_frac, gate_rate, mismatch_abs_mean}``, and
-   ``actor/staleness_{mean,max}``.
+   ``actor/staleness_{mean,max}``; plus ``actor/sat_old_vs_rollout_logprob_gap``, the largest
+   |old_log_prob - rollout_log_prob| over active tokens (0: the ratio is against mu, SPEC §4).
 
 The Megatron engine uses the same worker classes (``ActorRolloutRefWorker`` /
 ``DetachActorWorker``) and the same ``ppo_loss`` seam, so this code path is engine-agnostic. It
@@ -148,12 +149,18 @@ def sat_ppo_loss(config: Any, model_output: Any, data: Any, dp_group: Any = None
         staleness = _padded(data, STALENESS_FIELD).reshape(-1)
     with staleness_context(staleness):
         loss, metrics = ppo_loss(config, model_output, data, dp_group)
+    old = _padded(data, "old_log_probs")
+    mask = _padded(data, "response_mask").bool()
+    extra: dict[str, float] = {}
+    if "rollout_log_probs" in data.keys():
+        # 0 when the ratio's denominator is the rollout's mu (SPEC §4; bypass mode), > 0 when
+        # it is a trainer-side recomputation (decoupled mode)
+        gap = (old - _padded(data, "rollout_log_probs")).abs().masked_fill(~mask, 0.0)
+        extra["actor/sat_old_vs_rollout_logprob_gap"] = float(gap.max()) if gap.numel() else 0.0
     if staleness is not None:
         log_prob = no_padding_2_padding(model_output["log_probs"], data)
-        old = _padded(data, "old_log_probs")
-        mask = _padded(data, "response_mask")
-        extra = staleness_breakdown(staleness, log_prob, old, mask, config)
-        metrics.update(Metric.from_dict(extra, aggregation=AggregationType.MEAN))
+        extra.update(staleness_breakdown(staleness, log_prob, old, mask, config))
+    metrics.update(Metric.from_dict(extra, aggregation=AggregationType.MEAN))
     return loss, metrics
 
 
@@ -236,6 +243,111 @@ class SATTrainerMixin:
         if batch.fields is not None and STALENESS_FIELD not in batch.fields:
             batch = dataclasses.replace(batch, fields=[*batch.fields, STALENESS_FIELD])
         return batch
+
+    # -- the collapse sentinel (verl_sat.sentinel; docs/sentinel.md) ---------------------------
+    # verl's fit loop, per global step t: step() -> save checkpoint -> on_step_end (weight sync)
+    # -> _compute_metrics (the reward appears here) -> logger.log -> global_steps += 1. So the
+    # sentinel scores step t in _compute_metrics, whose metrics verl logs next; "stop" lowers
+    # total_training_steps to t, which ends verl's loop after this step; "rollback" reloads the
+    # checkpoint in the next step's on_step_end, right before verl's own weight sync.
+    def _compute_metrics(self, batch: Any, metrics: dict, timing_raw: dict, global_steps: int, epoch: int) -> None:
+        super()._compute_metrics(batch, metrics, timing_raw, global_steps=global_steps, epoch=epoch)  # type: ignore[misc]
+        self._sentinel_observe(int(global_steps), metrics)
+
+    def on_step_end(self) -> None:
+        self._sentinel_rollback_if_pending()
+        super().on_step_end()  # type: ignore[misc]
+
+    def _sentinel(self) -> Any:
+        """The ``CollapseSentinel`` of ``sat.sentinel`` in the composed config; None when disabled."""
+        if "_sat_sentinel" not in self.__dict__:
+            from verl_sat.sentinel import CollapseSentinel, SentinelConfig
+
+            sat = self.config.get("sat") or {}
+            config = SentinelConfig.from_node(sat.get("sentinel"))
+            self._sat_sentinel = CollapseSentinel(config) if config.enabled else None
+            self._sat_rollbacks: list[tuple[int, int]] = []  # (onset - margin, step rolled back at)
+            self._sat_rollback_pending: tuple[int, str, int] | None = None  # (ckpt step, path, onset)
+            self._sat_sentinel_carry: dict[str, float] = {}
+        return self._sat_sentinel
+
+    def _sentinel_observe(self, step: int, metrics: dict) -> None:
+        """Score the step; add ``sentinel/*`` to its metrics; on alarm, act (``sat.sentinel.action``)."""
+        sentinel = self._sentinel()
+        if sentinel is None:
+            return
+        metrics.update(self._sat_sentinel_carry)
+        self._sat_sentinel_carry = {}
+        event = sentinel.update(step, metrics)
+        metrics.update(sentinel.last_metrics)
+        if event is None:
+            return
+        action = event.action
+        print(f"[verl-sat] sentinel: {event.describe()}; action: {action}", flush=True)
+        if action == "rollback":
+            action = self._sentinel_schedule_rollback(event, metrics)
+        if action == "stop":
+            # verl's loop runs while global_steps <= total_training_steps: this step is the last
+            self.total_training_steps = min(int(self.total_training_steps), step)
+            metrics["sentinel/stop"] = 1.0
+            print(f"[verl-sat] sentinel: stopping after step {step}", flush=True)
+
+    def _sentinel_checkpoint_dir(self) -> str:
+        """verl's ``trainer.default_local_dir``, made absolute as ``_load_checkpoint`` does."""
+        import os
+
+        folder = str(self.config.trainer.default_local_dir)
+        return folder if os.path.isabs(folder) else os.path.join(os.getcwd(), folder)
+
+    def _sentinel_schedule_rollback(self, event: Any, metrics: dict) -> str:
+        """Pick the newest checkpoint saved before the onset; "stop" if none or out of rollbacks."""
+        import os
+
+        from verl_sat.sentinel import list_checkpoints, select_rollback_step
+
+        config = self._sat_sentinel.config
+        if len(self._sat_rollbacks) >= config.max_rollbacks:
+            print(f"[verl-sat] sentinel: {config.max_rollbacks} rollback(s) already done; stopping", flush=True)
+            return "stop"
+        folder = self._sentinel_checkpoint_dir()
+        target = select_rollback_step(
+            list_checkpoints(folder), event.onset_step, config.rollback_margin, self._sat_rollbacks
+        )
+        if target is None:
+            print(
+                f"[verl-sat] sentinel: no checkpoint in {folder} before step {event.onset_step}; stopping", flush=True
+            )
+            return "stop"
+        self._sat_rollback_pending = (target, os.path.join(folder, f"global_step_{target}"), event.onset_step)
+        metrics["sentinel/rollback_target"] = float(target)
+        print(f"[verl-sat] sentinel: rolling back to the checkpoint of step {target} next step", flush=True)
+        return "rollback"
+
+    def _sentinel_rollback_if_pending(self) -> None:
+        """Reload the actor (and critic) checkpoint picked on alarm, before verl syncs weights.
+
+        verl's ``load_checkpoint`` restores what ``checkpoint.load_contents`` lists (model,
+        optimizer, lr scheduler). The step counter, dataloader position and TransferQueue
+        contents are kept: training goes on with new prompts from the restored weights.
+        """
+        pending = self.__dict__.get("_sat_rollback_pending")
+        if pending is None:
+            return
+        import os
+
+        from verl.trainer.ppo.utils import Role
+
+        target, path, onset = pending
+        self._sat_rollback_pending = None
+        self.actor_rollout_wg.load_checkpoint(local_path=os.path.join(path, "actor"), del_local_after_load=False)
+        if getattr(self, "use_critic", False):
+            self.critic_wg.load_checkpoint(local_path=os.path.join(path, str(Role.Critic)), del_local_after_load=False)
+        self._sat_rollbacks.append((onset - self._sat_sentinel.config.rollback_margin, int(self.global_steps)))
+        self._sat_sentinel_carry = {
+            "sentinel/rollbacks": float(len(self._sat_rollbacks)),
+            "sentinel/rolled_back_to": float(target),
+        }
+        print(f"[verl-sat] sentinel: step {self.global_steps}: restored the checkpoint of step {target}", flush=True)
 
 
 def register_sat_trainers() -> None:
