@@ -23,15 +23,10 @@ from typing import Any
 
 from omegaconf import DictConfig, open_dict
 
+from verl_sat.sentinel import SentinelConfig
+
 ROUTING_REPLAY_MODES = ("disabled", "R2", "R3")
 ASYNC_MODE = "separate_async"
-
-
-@dataclass
-class SentinelConfig:
-    """``sat.sentinel``: the collapse sentinel (off unless enabled)."""
-
-    enabled: bool = False
 
 
 @dataclass
@@ -46,6 +41,7 @@ class SATRecipeConfig:
         actor: use AsyncSATActor (``trainer_mode=sat_<mode>``: per-sample staleness + diagnostics).
         default_assets: build the embedded tiny model and task (CPU default) if missing.
         assets_dir: where the embedded default's model and data are cached.
+        sentinel: the collapse sentinel (``verl_sat.sentinel.SentinelConfig``, docs/sentinel.md).
     """
 
     lag: int = 1
@@ -75,8 +71,10 @@ class SATRecipeConfig:
             raise ValueError(
                 f"unknown key(s) under sat: {', '.join('sat.' + k for k in unknown)}; known: {sorted(known)}"
             )
-        sentinel = values.pop("sentinel", None) or {}
-        return cls(**values, sentinel=SentinelConfig(**dict(sentinel)))
+        sentinel = SentinelConfig.from_node(values.pop("sentinel", None))
+        if sentinel.enabled and not values.get("actor", True):
+            raise ValueError("sat.sentinel.enabled=true needs sat.actor=true (the sentinel runs in SATTrainerMixin)")
+        return cls(**values, sentinel=sentinel)
 
 
 def apply_lag(cfg: DictConfig, lag: int) -> None:
@@ -89,13 +87,29 @@ def apply_lag(cfg: DictConfig, lag: int) -> None:
                 f"sat.lag={lag} needs trainer.v1.trainer_mode={ASYNC_MODE} (weights broadcast every {lag} steps); "
                 f"trainer.v1.trainer_mode={v1.trainer_mode} broadcasts after every step (lag 1)"
             )
+        colocate_rollout(cfg)
         return
     mini = int(cfg.actor_rollout_ref.actor.ppo_mini_batch_size)
     with open_dict(cfg):
+        cfg.actor_rollout_ref.hybrid_engine = False  # the rollout has resources of its own
         cfg.data.train_batch_size = lag * mini
         v1.separate_async.parameter_sync_step = lag
         v1.separate_async.num_warmup_batches = float(Fraction(1, lag))
         v1.sampler.max_off_policy_threshold = 2
+
+
+def colocate_rollout(cfg: DictConfig) -> None:
+    """sync / colocate_async: the rollout lives in the trainer's processes (hybrid engine).
+
+    No standalone rollout nodes; weights move in process, so verl-sat's cross-process CPU
+    weight sync (``ray_object_store``) gives way to verl's ``naive`` engine.
+    """
+    rollout = cfg.actor_rollout_ref.rollout
+    with open_dict(cfg):
+        cfg.actor_rollout_ref.hybrid_engine = True
+        rollout.nnodes = 0
+        if rollout.get("checkpoint_engine", {}).get("backend") == "ray_object_store":
+            rollout.checkpoint_engine.backend = "naive"
 
 
 def apply_actor(cfg: DictConfig, enabled: bool) -> None:
@@ -105,3 +119,38 @@ def apply_actor(cfg: DictConfig, enabled: bool) -> None:
         if enabled and not mode.startswith("sat_"):
             cfg.trainer.v1.trainer_mode = "sat_" + mode
         cfg.actor_rollout_ref.rollout.calculate_log_probs = True
+
+
+def apply_routing_replay(cfg: DictConfig, mode: str) -> None:
+    """Map ``sat.routing_replay`` (SPEC §6) onto the actor engine's keys.
+
+    - megatron / veomni: verl's own ``actor.<strategy>.router_replay.mode``;
+    - fsdp / fsdp2: ``actor.fsdp_config.router_replay.mode``, read by verl-sat's replay engine
+      (``verl_sat.routing_replay``; verl's FSDP engine has no replay of its own);
+    - R3 also sets ``rollout.enable_rollout_routing_replay`` (the rollout returns ``routed_experts``).
+
+    R2 records the trainer's routing while recomputing old log-probs, which
+    ``algorithm.rollout_correction.bypass_mode=true`` skips, so R2 with bypass mode is an error.
+    ``disabled`` leaves the config untouched.
+    """
+    if mode not in ROUTING_REPLAY_MODES:
+        raise ValueError(f"sat.routing_replay must be one of {list(ROUTING_REPLAY_MODES)}, got {mode!r}")
+    if mode == "disabled":
+        return
+    actor = cfg.actor_rollout_ref.actor
+    strategy = str(actor.strategy)
+    if mode == "R2" and (cfg.algorithm.get("rollout_correction") or {}).get("bypass_mode", False):
+        raise ValueError(
+            "sat.routing_replay=R2 records routing during old-log-prob recomputation, which "
+            "algorithm.rollout_correction.bypass_mode=true skips; set it to false or use R3"
+        )
+    engine_node = {"megatron": "megatron", "veomni": "veomni", "fsdp": "fsdp_config", "fsdp2": "fsdp_config"}
+    if strategy not in engine_node:
+        raise ValueError(f"sat.routing_replay={mode} is not supported with actor_rollout_ref.actor.strategy={strategy}")
+    with open_dict(cfg):
+        node = actor[engine_node[strategy]]
+        if node.get("router_replay") is None:
+            node.router_replay = {"_target_": "verl.workers.config.EngineRouterReplayConfig", "mode": mode}
+        else:
+            node.router_replay.mode = mode
+        cfg.actor_rollout_ref.rollout.enable_rollout_routing_replay = mode == "R3"

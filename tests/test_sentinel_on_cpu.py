@@ -1,0 +1,326 @@
+"""The collapse sentinel (verl_sat.sentinel) and its hook on the trainer (SATTrainerMixin)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from omegaconf import OmegaConf
+
+from verl_sat.actor import SATTrainerMixin
+from verl_sat.paths import hydra_config_dir
+from verl_sat.schedule import SATRecipeConfig
+from verl_sat.sentinel import (
+    CollapseSentinel,
+    SentinelConfig,
+    list_checkpoints,
+    robust_center_scale,
+    select_rollback_step,
+)
+
+REWARD, DBAR, Q = "critic/score/mean", "actor/mismatch_abs_mean", "actor/sat_q"
+GRAD, ENTROPY = "actor/grad_norm", "actor/entropy"
+ON = SentinelConfig(enabled=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# synthetic metric streams
+# ---------------------------------------------------------------------------------------------
+def stream(
+    seed: int,
+    steps: int,
+    reward_sigma: float = 0.05,
+    onset: int | None = None,
+    drop: float = 0.0,
+    spike: float = 1.0,
+    reward: np.ndarray | None = None,
+) -> Iterator[tuple[int, dict[str, float]]]:
+    """Reward 0.5 + N(0, sigma) (or ``reward``), dbar_pi ~ 0.01 and q ~ 0.02 with 10% noise.
+
+    From ``onset`` on, the reward drops by ``drop`` and dbar_pi and q are multiplied by ``spike``.
+    """
+    rng = np.random.default_rng(seed)
+    for t in range(1, steps + 1):
+        base = 0.5 if reward is None else float(reward[t - 1])
+        collapsed = onset is not None and t >= onset
+        row = {
+            REWARD: base + reward_sigma * rng.standard_normal() - (drop if collapsed else 0.0),
+            DBAR: 0.01 * (1 + 0.1 * rng.standard_normal()) * (spike if collapsed else 1.0),
+            Q: 0.02 * (1 + 0.1 * rng.standard_normal()) * (spike if collapsed else 1.0),
+            GRAD: abs(1.0 + 0.2 * rng.standard_normal()),
+            ENTROPY: 0.8 + 0.02 * rng.standard_normal(),
+        }
+        yield t, row
+
+
+def first_alarm(config: SentinelConfig, rows: Iterator[tuple[int, dict[str, float]]]) -> int | None:
+    sentinel = CollapseSentinel(config)
+    for t, row in rows:
+        if sentinel.update(t, row) is not None:
+            return t
+    return None
+
+
+# ---------------------------------------------------------------------------------------------
+# the rule
+# ---------------------------------------------------------------------------------------------
+def test_robust_scale_is_sigma_for_gaussian_noise():
+    values = np.random.default_rng(0).normal(3.0, 0.2, size=20000)
+    med, sigma, scale = robust_center_scale(values, rel_floor=0.0)
+    assert med == pytest.approx(3.0, abs=0.01) and sigma == pytest.approx(0.2, rel=0.03) and scale == sigma
+    assert robust_center_scale([1.0] * 10, rel_floor=0.05)[2] == pytest.approx(0.05)  # MAD 0: the floor
+
+
+def test_collapse_fires_right_after_patience_with_event_and_metrics():
+    sentinel = CollapseSentinel(ON)
+    events = [(t, sentinel.update(t, row)) for t, row in stream(1, 130, onset=100, drop=0.3, spike=3.0)]
+    fired = [(t, e) for t, e in events if e is not None]
+    t, event = fired[0]
+    assert t == 100 + ON.patience - 1 and event.onset_step == 100 and event.action == "log"
+    assert event.mismatch_z >= ON.spike_z and event.reward < event.reward_band_low
+    assert event.metrics["sentinel/alarm"] == 1.0 and event.metrics["sentinel/low_run"] == ON.patience
+    for key in ("sentinel/reward_band_low", "sentinel/mismatch_z", "sentinel/grad_norm_z", "sentinel/entropy_z"):
+        assert math.isfinite(event.metrics[key])
+    # the cooldown spaces out repeated alarms while the reward stays down
+    assert all(b - a > ON.cooldown for (a, _), (b, _) in zip(fired, fired[1:], strict=False))
+
+
+def test_quiet_metrics_before_warmup_and_between_alarms():
+    sentinel = CollapseSentinel(ON)
+    rows = list(stream(2, 30))
+    sentinel.update(*rows[0])
+    assert sentinel.last_metrics == {"sentinel/alarm": 0.0, "sentinel/low_run": 0.0}  # nothing finite yet
+    for t, row in rows[1:]:
+        sentinel.update(t, row)
+    assert sentinel.last_metrics["sentinel/alarm"] == 0.0 and "sentinel/reward_band_low" in sentinel.last_metrics
+
+
+def test_reward_drop_without_mismatch_spike_needs_the_switch():
+    rows = list(stream(3, 160, onset=100, drop=0.3, spike=1.0))
+    assert first_alarm(ON, iter(rows)) is None  # the paper's signature needs the mismatch spike
+    assert first_alarm(SentinelConfig(enabled=True, require_mismatch_spike=False), iter(rows)) == 102
+
+
+def test_a_spike_shortly_before_the_drop_counts():
+    rows = list(stream(4, 130, onset=100, drop=0.3, spike=1.0))
+    for t, row in rows:
+        if 94 <= t < 97:  # dbar_pi spikes 3-6 steps before the reward falls, then settles
+            row[DBAR] *= 4
+    assert first_alarm(ON, iter(rows)) == 102
+    assert first_alarm(SentinelConfig(enabled=True, spike_lookback=2), iter(rows)) is None
+
+
+def test_aux_anomaly_requirement():
+    rows = list(stream(5, 130, onset=100, drop=0.3, spike=3.0))
+    strict = SentinelConfig(enabled=True, require_aux_anomaly=True)
+    assert first_alarm(strict, iter(rows)) is None  # grad norm and entropy stay ordinary
+    for t, row in rows:
+        if t >= 100:
+            row[GRAD] *= 5
+    assert first_alarm(strict, iter(rows)) == 102
+
+
+def test_single_step_outlier_and_missing_values_stay_quiet():
+    rows = list(stream(6, 300))
+    rows[150][1][REWARD] = -5.0  # one catastrophic step
+    rows[150][1][DBAR] = 1.0
+    rows[200][1][REWARD] = float("nan")
+    del rows[201][1][REWARD]
+    rows[202][1][Q] = None  # type: ignore[assignment]
+    assert first_alarm(ON, iter(rows)) is None
+
+
+def test_slow_plateau_stays_quiet():
+    t = np.arange(1, 501)
+    reward = 0.1 + 0.6 * (1 - np.exp(-t / 80))  # a learning curve rising into a plateau
+    assert first_alarm(ON, stream(7, 500, reward_sigma=0.03, reward=reward)) is None
+
+
+@settings(max_examples=25, deadline=None, derandomize=True)
+@given(seed=st.integers(0, 2**31 - 1), sigma=st.sampled_from([0.001, 0.01, 0.05, 0.1]))
+def test_no_false_alarm_on_gaussian_noise(seed: int, sigma: float):
+    assert first_alarm(ON, stream(seed, 300, reward_sigma=sigma)) is None
+
+
+@settings(max_examples=25, deadline=None, derandomize=True)
+@given(
+    seed=st.integers(0, 2**31 - 1),
+    sigma=st.sampled_from([0.001, 0.01, 0.03]),
+    onset=st.integers(30, 150),
+    drop_in_sigmas=st.floats(8.0, 30.0),
+    spike=st.floats(2.0, 10.0),
+)
+def test_fires_within_bounded_steps_of_onset(seed: int, sigma: float, onset: int, drop_in_sigmas: float, spike: float):
+    # above the floor: the drop exceeds both k * sigma (with room for noise) and reward_min_drop
+    drop = max(drop_in_sigmas * sigma, 2 * ON.reward_min_drop)
+    fired = first_alarm(ON, stream(seed, onset + 40, reward_sigma=sigma, onset=onset, drop=drop, spike=spike))
+    assert fired is not None and onset + ON.patience - 1 <= fired <= onset + ON.patience + 4
+
+
+# ---------------------------------------------------------------------------------------------
+# config
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "node,message",
+    [
+        ({"action": "halt"}, r"sat.sentinel.action must be one of \['log', 'stop', 'rollback'\], got 'halt'"),
+        ({"enabled": "yes"}, "sat.sentinel.enabled must be a bool, got 'yes'"),
+        ({"window": 1}, "sat.sentinel.window must be an integer >= 2, got 1"),
+        ({"window": 10, "warmup": 20}, r"sat.sentinel.warmup must be <= sat.sentinel.window \(10\), got 20"),
+        ({"patience": 0}, "sat.sentinel.patience must be an integer >= 1, got 0"),
+        ({"patience": 2.5}, "sat.sentinel.patience must be an integer >= 1, got 2.5"),
+        ({"reward_k": 0}, "sat.sentinel.reward_k must be a finite number > 0, got 0"),
+        ({"spike_z": float("nan")}, "sat.sentinel.spike_z must be a finite number > 0, got nan"),
+        ({"reward_min_drop": -0.1}, "sat.sentinel.reward_min_drop must be a finite number >= 0, got -0.1"),
+        ({"mismatch_keys": [""]}, r"sat.sentinel.mismatch_keys must be a list of non-empty strings, got \(''"),
+        ({"require_mismatch_spike": 1}, "sat.sentinel.require_mismatch_spike must be a bool, got 1"),
+        ({"windw": 5}, "unknown key.*sat.sentinel.windw"),
+    ],
+)
+def test_config_errors_name_key_and_value(node: dict, message: str):
+    with pytest.raises(ValueError, match=message):
+        SATRecipeConfig.from_node(OmegaConf.create({"sentinel": node}))
+
+
+def test_sentinel_needs_the_sat_trainer():
+    with pytest.raises(ValueError, match="sat.sentinel.enabled=true needs sat.actor=true"):
+        SATRecipeConfig.from_node(OmegaConf.create({"actor": False, "sentinel": {"enabled": True}}))
+    assert not SATRecipeConfig.from_node(OmegaConf.create({"actor": False})).sentinel.enabled
+
+
+def test_config_from_hydra_node_and_cpu_yaml_matches_defaults():
+    node = OmegaConf.create({"enabled": True, "action": "stop", "mismatch_keys": ["actor/sat_q"], "reward_k": 2})
+    config = SentinelConfig.from_node(node)
+    assert config.enabled and config.action == "stop" and config.mismatch_keys == ("actor/sat_q",)
+    assert SentinelConfig.from_node(None) == SentinelConfig()
+    yaml = OmegaConf.load(Path(hydra_config_dir()) / "sat_gspo_cpu.yaml")
+    assert SATRecipeConfig.from_node(yaml.sat).sentinel == SentinelConfig()  # the yaml lists the defaults
+
+
+# ---------------------------------------------------------------------------------------------
+# rollback target
+# ---------------------------------------------------------------------------------------------
+def test_rollback_target_is_the_newest_checkpoint_before_the_onset(tmp_path: Path):
+    for k in (5, 10, 15, 20):
+        (tmp_path / f"global_step_{k}" / "actor").mkdir(parents=True)
+    (tmp_path / "global_step_25").mkdir()  # no actor/: incomplete
+    (tmp_path / "latest_checkpointed_iteration.txt").write_text("20")
+    assert list_checkpoints(str(tmp_path)) == [5, 10, 15, 20]
+    assert list_checkpoints(str(tmp_path / "missing")) == []
+    assert select_rollback_step([5, 10, 15, 20], onset_step=17, margin=2) == 15
+    assert select_rollback_step([5, 10, 15, 20], onset_step=16, margin=2) == 10
+    assert select_rollback_step([5, 10, 15, 20], onset_step=30, margin=2, poisoned=[(15, 20)]) == 15
+    assert select_rollback_step([5, 10], onset_step=6, margin=2) is None
+
+
+# ---------------------------------------------------------------------------------------------
+# the hook on verl's trainer (no Ray): a fake trainer and a replica of verl's fit loop
+# ---------------------------------------------------------------------------------------------
+class FakeWorkerGroup:
+    def __init__(self) -> None:
+        self.loaded: list[str] = []
+
+    def load_checkpoint(self, local_path: str, hdfs_path: str | None = None, del_local_after_load: bool = False):
+        assert not del_local_after_load
+        self.loaded.append(local_path)
+
+
+class FakeVerlTrainer:
+    """What SATTrainerMixin's sentinel hook touches on verl's PPOTrainer."""
+
+    def __init__(self, sentinel: dict[str, Any], rows: list[dict[str, float]], ckpt_dir: Path, save_freq: int = 0):
+        self.config = OmegaConf.create(
+            {"sat": {"sentinel": sentinel}, "trainer": {"default_local_dir": str(ckpt_dir), "save_freq": save_freq}}
+        )
+        self.rows, self.ckpt_dir = rows, ckpt_dir
+        self.total_training_steps = len(rows)
+        self.global_steps = 0
+        self.use_critic = False
+        self.actor_rollout_wg = FakeWorkerGroup()
+        self.logged: list[tuple[int, dict]] = []
+        self.synced: list[int] = []
+
+    def _compute_metrics(self, batch, metrics, timing_raw, global_steps, epoch):
+        metrics.update(self.rows[global_steps - 1])
+
+    def on_step_end(self):
+        self.synced.append(self.global_steps)
+
+    def _save_checkpoint(self):
+        (self.ckpt_dir / f"global_step_{self.global_steps}" / "actor").mkdir(parents=True)
+
+    def fit(self) -> None:
+        """verl's PPOTrainer.fit loop, minus rollout and training (trainer_base.py)."""
+        self.global_steps += 1
+        while self.global_steps <= self.total_training_steps:
+            is_last_step = self.global_steps >= self.total_training_steps
+            metrics: dict = {}
+            save_freq = self.config.trainer.save_freq
+            if save_freq > 0 and (is_last_step or self.global_steps % save_freq == 0):
+                self._save_checkpoint()
+            self.on_step_end()
+            self._compute_metrics(None, metrics, {}, global_steps=self.global_steps, epoch=0)
+            self.logged.append((self.global_steps, metrics))
+            self.global_steps += 1
+            if is_last_step:
+                return
+
+
+class FakeSATTrainer(SATTrainerMixin, FakeVerlTrainer):
+    pass
+
+
+def collapse_rows(steps: int = 120, onset: int = 60) -> list[dict[str, float]]:
+    return [row for _, row in stream(8, steps, onset=onset, drop=0.3, spike=3.0)]
+
+
+def test_hook_off_by_default_adds_nothing(tmp_path: Path):
+    trainer = FakeSATTrainer({"enabled": False}, collapse_rows(), tmp_path)
+    trainer.fit()
+    assert len(trainer.logged) == 120
+    assert not any(k.startswith("sentinel/") for _, m in trainer.logged for k in m)
+
+
+def test_hook_log_adds_metrics_every_step_and_keeps_training(tmp_path: Path):
+    trainer = FakeSATTrainer({"enabled": True}, collapse_rows(), tmp_path)
+    trainer.fit()
+    assert len(trainer.logged) == 120 and all("sentinel/alarm" in m for _, m in trainer.logged)
+    alarms = [step for step, m in trainer.logged if m["sentinel/alarm"] == 1.0]
+    assert alarms[0] == 62 and "sentinel/mismatch_z" in trainer.logged[61][1]
+
+
+def test_hook_stop_ends_verl_loop_after_the_alarm_step(tmp_path: Path, capsys):
+    trainer = FakeSATTrainer({"enabled": True, "action": "stop"}, collapse_rows(), tmp_path)
+    trainer.fit()
+    step, metrics = trainer.logged[-1]
+    assert step == 62 and trainer.total_training_steps == 62
+    assert metrics["sentinel/alarm"] == 1.0 and metrics["sentinel/stop"] == 1.0
+    assert "stopping after step 62" in capsys.readouterr().out
+
+
+def test_hook_rollback_reloads_checkpoint_before_weight_sync(tmp_path: Path):
+    config = {"enabled": True, "action": "rollback", "max_rollbacks": 1}
+    trainer = FakeSATTrainer(config, collapse_rows(), tmp_path, save_freq=5)
+    trainer.fit()
+    logged = dict(trainer.logged)
+    # alarm at 62 (onset 60): newest checkpoint k <= 60 - 2 is 55, reloaded in step 63's on_step_end
+    assert logged[62]["sentinel/rollback_target"] == 55.0
+    assert trainer.actor_rollout_wg.loaded == [str(tmp_path / "global_step_55" / "actor")]
+    assert logged[63]["sentinel/rollbacks"] == 1.0 and logged[63]["sentinel/rolled_back_to"] == 55.0
+    assert trainer._sat_rollbacks == [(58, 63)]
+    # the fake rows stay collapsed: after the cooldown the next alarm is out of rollbacks and stops
+    last_step, last = trainer.logged[-1]
+    assert last["sentinel/stop"] == 1.0 and last_step == 62 + ON.cooldown + 1
+
+
+def test_hook_rollback_without_checkpoint_stops(tmp_path: Path, capsys):
+    trainer = FakeSATTrainer({"enabled": True, "action": "rollback"}, collapse_rows(), tmp_path)
+    trainer.fit()
+    assert trainer.logged[-1][0] == 62 and trainer.actor_rollout_wg.loaded == []
+    assert "no checkpoint" in capsys.readouterr().out

@@ -1,0 +1,389 @@
+"""The collapse sentinel: online detection of the late-collapse signature (SPEC §5, §7).
+
+The paper reports that plain GRPO and GSPO "collapse later" at lag 8 (SPEC §7, Table 1): the
+reward falls and stays down while the train/rollout mismatch ``dbar_pi`` grows. The sentinel
+watches the per-step metrics that verl already logs and raises an alarm on that signature, so a
+long run can log it, stop, or roll back to the last healthy checkpoint (``docs/sentinel.md``).
+
+Notation, per global step t (verl's ``global_steps``), over a rolling history ``H`` of the last
+``W`` (``window``) finite values of a signal strictly before t:
+
+    med(H) = median of H,   MAD(H) = median |h - med(H)|,   sigma(H) = 1.4826 MAD(H)
+    scale(H) = max(sigma(H), rho |med(H)|, 1e-12)                  rho = scale_rel_floor
+    z_t(x)   = (x_t - med(H)) / scale(H)                            (robust z-score)
+
+1.4826 makes sigma the standard deviation for gaussian noise; the floor rho |med| keeps a
+near-constant history (MAD ~ 0) from turning rounding noise into huge z-scores.
+
+The rule, with reward R (``critic/score/mean``), mismatch signals M^j (``dbar_pi`` =
+``actor/mismatch_abs_mean`` and SAT's reference ``q`` = ``actor/sat_q``), gradient norm G and
+entropy E:
+
+    warm_t  = |H_R| >= warmup
+    band_t  = med(H_R) - max(k sigma(H_R), delta_min)              k = reward_k, delta_min = reward_min_drop
+    low_t   = warm_t and R_t < band_t
+    run_t   = run_{t-1} + 1 if low_t else 0                          (consecutive low steps)
+    onset   = the first step of the current low run
+    mz_t    = max_j z_t(M^j)                                         (the larger mismatch spike)
+    az_t    = max(z_t(G), |z_t(E)|)                                  (grad norm up, entropy either way)
+    spike_t = max of mz over the steps [onset - L, t] >= spike_z     L = spike_lookback
+    aux_t   = max of az over the steps [onset - L, t] >= aux_z
+    alarm_t = run_t >= P and (spike_t or not require_mismatch_spike)
+                         and (aux_t or not require_aux_anomaly) and t >= cooldown_until
+
+P = ``patience``. After an alarm at t, ``cooldown_until = t + cooldown + 1``. The lookback L
+lets a mismatch spike that *precedes* the reward drop count (the mismatch grows first, then
+the reward falls). A step whose reward is missing or not finite leaves the reward state as it
+is. After a step is scored, its finite values enter their histories, except a low reward: the
+band stays at its pre-onset level for the whole low run, so a lasting collapse does not become
+the new normal (were the low rewards to enter H_R, its MAD would grow and the band would sink
+within about ten steps). A slow decline, one step at a time inside the band, moves the band
+with it and is not this signature.
+
+Pure Python + numpy: nothing here imports verl. ``verl_sat.actor.SATTrainerMixin`` runs it on
+the trainer.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+from collections import deque
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field, fields, replace
+from typing import Any
+
+import numpy as np
+
+ACTIONS = ("log", "stop", "rollback")
+MAD_TO_SIGMA = 1.4826  # sigma = 1.4826 MAD for gaussian noise
+_CHECKPOINT_DIR = re.compile(r"^global_step_(\d+)$")
+
+
+# ---------------------------------------------------------------------------------------------
+# config
+# ---------------------------------------------------------------------------------------------
+@dataclass
+class SentinelConfig:
+    """``sat.sentinel``: the collapse sentinel (off unless enabled). The rule: module docstring.
+
+    Args:
+        enabled: run the sentinel on the trainer every step (adds ``sentinel/*`` metrics).
+        action: on alarm, ``log`` (metrics + a printed line), ``stop`` (end training after the
+            step), or ``rollback`` (reload the newest checkpoint saved before the collapse).
+        reward_key: the reward metric (verl: mean sequence score of the batch).
+        mismatch_keys: mismatch metrics whose spike is the collapse's second half (dbar_pi, q).
+        grad_norm_key: the gradient-norm metric (an anomaly is a z-score above ``aux_z``).
+        entropy_key: the entropy metric (only logged when verl computes entropy).
+        window: W, the rolling history length of every signal, in steps.
+        warmup: steps of reward history before any alarm (<= window).
+        patience: P, consecutive low-reward steps needed for an alarm.
+        reward_k: k, the band's width in robust standard deviations below the rolling median.
+        reward_min_drop: the band is at least this far below the median (reward units; rewards
+            from the math verifier are in [0, 1]). Keeps a near-constant reward from alarming on
+            a tiny dip.
+        spike_z: a mismatch z-score at or above this is a spike.
+        spike_lookback: L, steps before the onset of the low run in which a spike still counts.
+        require_mismatch_spike: the alarm needs a mismatch spike (the paper's signature); off:
+            a sustained reward drop alone is enough.
+        aux_z: a gradient-norm (or |entropy|) z-score at or above this is an anomaly.
+        require_aux_anomaly: the alarm also needs a gradient-norm or entropy anomaly.
+        scale_rel_floor: rho, the robust scale is at least rho |median| (see module docstring).
+        cooldown: steps after an alarm during which no new alarm fires.
+        rollback_margin: roll back to a checkpoint saved at least this many steps before the
+            onset (the weights that generated the first low batch are already bad; async
+            sampling reaches one step further back).
+        max_rollbacks: after this many rollbacks, a further alarm stops training instead.
+    """
+
+    enabled: bool = False
+    action: str = "log"
+    reward_key: str = "critic/score/mean"
+    mismatch_keys: tuple[str, ...] = ("actor/mismatch_abs_mean", "actor/sat_q")
+    grad_norm_key: str = "actor/grad_norm"
+    entropy_key: str = "actor/entropy"
+    window: int = 50
+    warmup: int = 20
+    patience: int = 3
+    reward_k: float = 3.0
+    reward_min_drop: float = 0.05
+    spike_z: float = 4.0
+    spike_lookback: int = 10
+    require_mismatch_spike: bool = True
+    aux_z: float = 4.0
+    require_aux_anomaly: bool = False
+    scale_rel_floor: float = 0.05
+    cooldown: int = 10
+    rollback_margin: int = 2
+    max_rollbacks: int = 2
+
+    def __post_init__(self) -> None:
+        if isinstance(self.mismatch_keys, str):
+            self.mismatch_keys = (self.mismatch_keys,)
+        elif isinstance(self.mismatch_keys, Iterable):
+            self.mismatch_keys = tuple(self.mismatch_keys)
+        for name in ("enabled", "require_mismatch_spike", "require_aux_anomaly"):
+            _check(name, getattr(self, name), isinstance(getattr(self, name), bool), "a bool")
+        _check("action", self.action, self.action in ACTIONS, f"one of {list(ACTIONS)}")
+        for name in ("reward_key", "grad_norm_key", "entropy_key"):
+            value = getattr(self, name)
+            _check(name, value, isinstance(value, str) and bool(value), "a non-empty string")
+        ok = isinstance(self.mismatch_keys, tuple) and all(isinstance(k, str) and k for k in self.mismatch_keys)
+        _check("mismatch_keys", self.mismatch_keys, ok, "a list of non-empty strings")
+        for name, low in (("window", 2), ("patience", 1), ("spike_lookback", 0), ("cooldown", 0)):
+            _check_int(name, getattr(self, name), low)
+        for name in ("rollback_margin", "max_rollbacks"):
+            _check_int(name, getattr(self, name), 0)
+        _check_int("warmup", self.warmup, 2)
+        _check("warmup", self.warmup, self.warmup <= self.window, f"<= sat.sentinel.window ({self.window})")
+        for name in ("reward_k", "spike_z", "aux_z"):
+            _check_float(name, getattr(self, name), strictly_positive=True)
+        for name in ("reward_min_drop", "scale_rel_floor"):
+            _check_float(name, getattr(self, name), strictly_positive=False)
+
+    @classmethod
+    def from_node(cls, node: Any) -> SentinelConfig:
+        """Build from the ``sat.sentinel`` node (DictConfig, dict or None); unknown keys are an error."""
+        values = _to_container(node)
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ValueError(
+                f"unknown key(s) under sat.sentinel: {', '.join('sat.sentinel.' + k for k in unknown)}; "
+                f"known: {sorted(known)}"
+            )
+        return cls(**values)
+
+
+def _check(name: str, value: Any, ok: bool, expected: str) -> None:
+    if not ok:
+        raise ValueError(f"sat.sentinel.{name} must be {expected}, got {value!r}")
+
+
+def _check_int(name: str, value: Any, low: int) -> None:
+    ok = isinstance(value, int) and not isinstance(value, bool) and value >= low
+    _check(name, value, ok, f"an integer >= {low}")
+
+
+def _check_float(name: str, value: Any, strictly_positive: bool) -> None:
+    number = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    ok = number and (value > 0 if strictly_positive else value >= 0)
+    _check(name, value, ok, "a finite number " + ("> 0" if strictly_positive else ">= 0"))
+
+
+def _to_container(node: Any) -> dict[str, Any]:
+    if node is None:
+        return {}
+    if hasattr(node, "_metadata"):  # an OmegaConf node; imported lazily (not needed for dicts)
+        from omegaconf import OmegaConf
+
+        node = OmegaConf.to_container(node, resolve=True)
+    return dict(node)
+
+
+# ---------------------------------------------------------------------------------------------
+# robust statistics
+# ---------------------------------------------------------------------------------------------
+def robust_center_scale(history: Iterable[float], rel_floor: float) -> tuple[float, float, float]:
+    """(med, sigma, scale) of a history: med(H), 1.4826 MAD(H), max(sigma, rho |med|, 1e-12)."""
+    values = np.asarray(list(history), dtype=float)
+    med = float(np.median(values))
+    sigma = MAD_TO_SIGMA * float(np.median(np.abs(values - med)))
+    return med, sigma, max(sigma, rel_floor * abs(med), 1e-12)
+
+
+def robust_z(value: float, history: Iterable[float], rel_floor: float) -> float:
+    """z = (x - med(H)) / scale(H)."""
+    med, _, scale = robust_center_scale(history, rel_floor)
+    return (value - med) / scale
+
+
+def _finite(metrics: Mapping[str, Any], key: str) -> float | None:
+    value = metrics.get(key)
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.floating, np.integer)):
+        return None
+    value = float(value)
+    return value if math.isfinite(value) else None
+
+
+def _nanmax(values: Iterable[float]) -> float:
+    finite = [v for v in values if math.isfinite(v)]
+    return max(finite) if finite else math.nan
+
+
+# ---------------------------------------------------------------------------------------------
+# the sentinel
+# ---------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class SentinelEvent:
+    """An alarm: the collapse signature held at ``step``; the low-reward run began at ``onset_step``."""
+
+    step: int
+    onset_step: int
+    action: str
+    reward: float
+    reward_band_low: float
+    mismatch_z: float  # the largest mismatch z over [onset - L, step]
+    aux_z: float  # the largest gradient-norm / |entropy| z over [onset - L, step]
+    reasons: tuple[str, ...]
+    metrics: dict[str, float] = field(default_factory=dict)
+
+    def describe(self) -> str:
+        return f"collapse signature at step {self.step} (low reward since step {self.onset_step}): " + "; ".join(
+            self.reasons
+        )
+
+
+class CollapseSentinel:
+    """Online detector of the collapse signature on per-step metric dicts (module docstring).
+
+    ``update(step, metrics)`` scores one step and returns a ``SentinelEvent`` on alarm, else
+    None. ``last_metrics`` then holds the step's ``sentinel/*`` metrics for logging (the finite
+    ones): ``alarm`` (0/1), ``reward_band_low``, ``low_run``, ``mismatch_z``, ``grad_norm_z``,
+    ``entropy_z``.
+    """
+
+    def __init__(self, config: SentinelConfig) -> None:
+        self.config = config
+        window = config.window
+        self._reward: deque[float] = deque(maxlen=window)
+        self._mismatch: dict[str, deque[float]] = {k: deque(maxlen=window) for k in config.mismatch_keys}
+        self._grad_norm: deque[float] = deque(maxlen=window)
+        self._entropy: deque[float] = deque(maxlen=window)
+        # (mismatch z, aux z) of the last L steps before the current one
+        self._recent: deque[tuple[float, float]] = deque(maxlen=max(config.spike_lookback, 1))
+        self._run = 0
+        self._onset: int | None = None
+        self._run_mz = math.nan
+        self._run_az = math.nan
+        self._cooldown_until: int | None = None
+        self.last_metrics: dict[str, float] = {}
+        self.events: list[SentinelEvent] = []
+
+    # -- signals -------------------------------------------------------------------------------
+    def _z(self, value: float | None, history: deque[float]) -> float:
+        if value is None or len(history) < self.config.warmup:
+            return math.nan
+        return robust_z(value, history, self.config.scale_rel_floor)
+
+    def reward_band(self) -> float:
+        """band = med(H_R) - max(k sigma(H_R), delta_min); nan before the warm-up."""
+        if len(self._reward) < self.config.warmup:
+            return math.nan
+        med, sigma, _ = robust_center_scale(self._reward, self.config.scale_rel_floor)
+        return med - max(self.config.reward_k * sigma, self.config.reward_min_drop)
+
+    # -- one step ------------------------------------------------------------------------------
+    def update(self, step: int, metrics: Mapping[str, Any]) -> SentinelEvent | None:
+        """Score step ``step`` from its metrics, then add its values to the histories."""
+        cfg = self.config
+        reward = _finite(metrics, cfg.reward_key)
+        band = self.reward_band()
+        mismatch = {k: _finite(metrics, k) for k in cfg.mismatch_keys}
+        mz = _nanmax(self._z(v, self._mismatch[k]) for k, v in mismatch.items())
+        grad_norm, entropy = _finite(metrics, cfg.grad_norm_key), _finite(metrics, cfg.entropy_key)
+        gz, ez = self._z(grad_norm, self._grad_norm), self._z(entropy, self._entropy)
+        az = _nanmax([gz, abs(ez)])
+
+        if reward is not None:
+            low = math.isfinite(band) and reward < band
+            if low and self._run == 0:  # a run starts: the lookback's spikes count
+                self._onset = step
+                self._run_mz = _nanmax([mz, *(m for m, _ in self._recent_lookback())])
+                self._run_az = _nanmax([az, *(a for _, a in self._recent_lookback())])
+            elif low:
+                self._run_mz, self._run_az = _nanmax([self._run_mz, mz]), _nanmax([self._run_az, az])
+            self._run = self._run + 1 if low else 0
+            if not low:
+                self._onset, self._run_mz, self._run_az = None, math.nan, math.nan
+
+        event = self._maybe_alarm(step, reward, band)
+        self.last_metrics = self._step_metrics(event is not None, band, mz, gz, ez)
+        if event is not None:
+            event = replace(event, metrics=dict(self.last_metrics))
+            self.events.append(event)
+
+        # histories take the step's values after it is scored; a low reward does not, so the
+        # band stays at its pre-onset level for the whole low run
+        if reward is not None and self._run == 0:
+            self._reward.append(reward)
+        for k, v in mismatch.items():
+            if v is not None:
+                self._mismatch[k].append(v)
+        if grad_norm is not None:
+            self._grad_norm.append(grad_norm)
+        if entropy is not None:
+            self._entropy.append(entropy)
+        self._recent.append((mz, az))
+        return event
+
+    def _recent_lookback(self) -> list[tuple[float, float]]:
+        lookback = self.config.spike_lookback
+        return list(self._recent)[-lookback:] if lookback > 0 else []
+
+    def _maybe_alarm(self, step: int, reward: float | None, band: float) -> SentinelEvent | None:
+        cfg = self.config
+        if reward is None or self._run < cfg.patience or self._onset is None:
+            return None
+        if self._cooldown_until is not None and step < self._cooldown_until:
+            return None
+        spike = math.isfinite(self._run_mz) and self._run_mz >= cfg.spike_z
+        aux = math.isfinite(self._run_az) and self._run_az >= cfg.aux_z
+        if (cfg.require_mismatch_spike and not spike) or (cfg.require_aux_anomaly and not aux):
+            return None
+        reasons = [f"reward {reward:.4g} below the band {band:.4g} for {self._run} steps"]
+        if spike:
+            reasons.append(f"mismatch z {self._run_mz:.1f} >= {cfg.spike_z:g}")
+        if aux:
+            reasons.append(f"grad-norm/entropy z {self._run_az:.1f} >= {cfg.aux_z:g}")
+        self._cooldown_until = step + cfg.cooldown + 1
+        return SentinelEvent(
+            step=step,
+            onset_step=self._onset,
+            action=cfg.action,
+            reward=reward,
+            reward_band_low=band,
+            mismatch_z=self._run_mz,
+            aux_z=self._run_az,
+            reasons=tuple(reasons),
+        )
+
+    def _step_metrics(self, alarm: bool, band: float, mz: float, gz: float, ez: float) -> dict[str, float]:
+        values = {
+            "sentinel/alarm": float(alarm),
+            "sentinel/low_run": float(self._run),
+            "sentinel/reward_band_low": band,
+            "sentinel/mismatch_z": mz,
+            "sentinel/grad_norm_z": gz,
+            "sentinel/entropy_z": ez,
+        }
+        return {k: v for k, v in values.items() if math.isfinite(v)}
+
+
+# ---------------------------------------------------------------------------------------------
+# rollback target
+# ---------------------------------------------------------------------------------------------
+def list_checkpoints(checkpoint_dir: str) -> list[int]:
+    """The global steps of verl's checkpoints ``<dir>/global_step_<k>/actor``, ascending."""
+    if not os.path.isdir(checkpoint_dir):
+        return []
+    steps = []
+    for name in os.listdir(checkpoint_dir):
+        match = _CHECKPOINT_DIR.match(name)
+        if match and os.path.isdir(os.path.join(checkpoint_dir, name, "actor")):
+            steps.append(int(match.group(1)))
+    return sorted(steps)
+
+
+def select_rollback_step(
+    checkpoints: Iterable[int], onset_step: int, margin: int, poisoned: Iterable[tuple[int, int]] = ()
+) -> int | None:
+    """The newest checkpoint k with k <= onset - margin outside every poisoned range (a, b].
+
+    A poisoned range is (onset_i - margin, rollback_i] of an earlier rollback: checkpoints
+    saved there hold weights from during that collapse.
+    """
+    poisoned = list(poisoned)
+    ok = [k for k in checkpoints if k <= onset_step - margin and not any(a < k <= b for a, b in poisoned)]
+    return max(ok) if ok else None
