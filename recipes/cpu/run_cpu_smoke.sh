@@ -83,6 +83,8 @@ python -m verl.trainer.main_ppo \
     trainer.test_freq=-1 \
     trainer.save_freq=-1 \
     trainer.total_training_steps="$STEPS" \
+    trainer.default_local_dir="$WORK_DIR/checkpoints" \
+    hydra.run.dir="$WORK_DIR/hydra/\${now:%Y-%m-%d_%H-%M-%S}" \
     trainer.use_v1=True \
     trainer.v1.trainer_mode="$MODE" \
     trainer.v1.sampler.max_off_policy_threshold="$MAX_OFF_POLICY" \

@@ -39,9 +39,19 @@ class WeightBroker:
         return self._refs.get(version)
 
 
+_broker_handle: Any = None
+
+
 def _broker() -> Any:
-    """Get or create the broker actor (one per Ray namespace)."""
-    return ray.remote(WeightBroker).options(name=BROKER_NAME, get_if_exists=True, num_cpus=0).remote()
+    """Get or create the broker actor (one per Ray namespace); the handle is cached per process.
+
+    Creating (or even re-declaring) the actor costs a Ray round trip and, the first time, a worker
+    process start; caching keeps every later sync at one ``publish``/``lookup`` call.
+    """
+    global _broker_handle
+    if _broker_handle is None:
+        _broker_handle = ray.remote(WeightBroker).options(name=BROKER_NAME, get_if_exists=True, num_cpus=0).remote()
+    return _broker_handle
 
 
 @CheckpointEngineRegistry.register(BACKEND)
@@ -54,6 +64,7 @@ class RayObjectStoreCheckpointEngine(CheckpointEngine):
         self.poll_interval_s = poll_interval_s
 
     def prepare(self) -> dict[str, Any]:
+        _broker()  # start the broker before the first transfer
         return {}
 
     @classmethod

@@ -20,7 +20,7 @@ DATA_SOURCE = "verl_sat/arith"
 DAPO_TEMPLATE = (
     "Solve the following math problem step by step. The last line of your response should be of the "
     "form Answer: $Answer (without quotes) where $Answer is the answer to the problem.\n\n"
-    "{problem}\n\nRemember to put your answer on its own line after \"Answer:\"."
+    '{problem}\n\nRemember to put your answer on its own line after "Answer:".'
 )
 
 

@@ -5,6 +5,9 @@ decode step per new token for all rows together, with per-row sampling settings 
 Position ids are ``cumsum(mask) - 1`` so a padded row sees the same positions as it would
 alone (and as verl's training forward uses). ``should_abort`` is polled before every step, so
 an abort returns the tokens generated so far with ``stop_reason="aborted"``.
+
+With ``record_routes`` on (``rollout.enable_rollout_routing_replay``), each result also carries
+the MoE routing of its sequence in SGLang's ``routed_experts`` layout (``verl_sat.routing_replay``).
 """
 
 from __future__ import annotations
@@ -13,8 +16,10 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
+from verl_sat.routing_replay import perturb_routing, record_routes
 from verl_sat.rollout.sampling import RowSampling, SamplingParams, sample_next
 from verl_sat.rollout.weights import load_named_tensors
 
@@ -35,6 +40,8 @@ class GenerationResult:
     token_ids: list[int] = field(default_factory=list)
     log_probs: list[float] = field(default_factory=list)
     stop_reason: str | None = None  # "completed" (EOS) | "length" | "aborted"
+    routed_experts: np.ndarray | None = None
+    """int32 (prompt + generated - 1, layers, top_k): token t's experts per MoE layer (SGLang's layout)"""
 
 
 @dataclass
@@ -51,6 +58,8 @@ class EngineOptions:
     """transformers MoE experts kernel: eager | grouped_mm"""
     seed: int = 0
     """seed of the sampling generator"""
+    router_noise_std: float = 0.0
+    """std of Gaussian noise on the router logits when choosing experts (induces a routing mismatch)"""
 
 
 def load_model(path: str, experts_implementation: str = "eager") -> Any:
@@ -59,9 +68,7 @@ def load_model(path: str, experts_implementation: str = "eager") -> Any:
 
     kwargs: dict[str, Any] = {"attn_implementation": "sdpa", "dtype": torch.float32}
     try:
-        model = AutoModelForCausalLM.from_pretrained(
-            path, experts_implementation=experts_implementation, **kwargs
-        )
+        model = AutoModelForCausalLM.from_pretrained(path, experts_implementation=experts_implementation, **kwargs)
     except (TypeError, ValueError):
         model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
     return model.eval()
@@ -76,6 +83,10 @@ class HFEngine:
         self.pad_token_id = int(pad_token_id)
         self.options = options
         self.generator = torch.Generator().manual_seed(options.seed)
+        self.record_routes = False  # return routed_experts (routing replay R3)
+        if options.router_noise_std > 0:
+            self._router_noise = torch.Generator().manual_seed(options.seed + 1)
+            perturb_routing(model, options.router_noise_std, self._router_noise)
 
     @classmethod
     def from_pretrained(cls, path: str, options: EngineOptions) -> HFEngine:
@@ -105,6 +116,24 @@ class HFEngine:
                 result.stop_reason = "length"
         if all(r.stop_reason for r in results):
             return results
+        if not self.record_routes:
+            return self._decode(requests, results, budgets, should_abort)
+        with record_routes(self.model) as recorder:
+            self._decode(requests, results, budgets, should_abort)
+        routes = recorder.recorded(len(requests))
+        width = max(len(r.prompt_ids) for r in requests)
+        for row, (request, result) in enumerate(zip(requests, results, strict=True)):
+            result.routed_experts = _sequence_routes(routes[row], width, len(request.prompt_ids), len(result.token_ids))
+        return results
+
+    def _decode(
+        self,
+        requests: list[GenerationRequest],
+        results: list[GenerationResult],
+        budgets: list[int],
+        should_abort: Callable[[], bool],
+    ) -> list[GenerationResult]:
+        """Prefill and decode step by step, filling ``results`` (see the module docstring)."""
         input_ids, attention_mask = self._left_pad([r.prompt_ids for r in requests])
         position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
         rows = RowSampling.stack([r.params for r in requests])
@@ -135,9 +164,7 @@ class HFEngine:
                 mask[row, width - len(prompt) :] = 1
         return ids, mask
 
-    def _forward(
-        self, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, cache: Any
-    ) -> torch.Tensor:
+    def _forward(self, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, cache: Any) -> torch.Tensor:
         """Logits (B, V) of the last position, extending ``cache``."""
         out = self.model(
             input_ids=ids,
@@ -162,6 +189,19 @@ class HFEngine:
                 result.stop_reason = "completed"
             elif len(result.token_ids) >= budget:
                 result.stop_reason = "length"
+
+
+def _sequence_routes(routes: torch.Tensor, width: int, prompt_len: int, generated: int) -> np.ndarray | None:
+    """One row's routes (SGLang layout) from its left-padded ``[T, L, k]`` recording.
+
+    Token t of the sequence (prompt then generated) sits at column ``width - prompt_len + t``
+    (``width``: the padded prompt width); every token but the last generated one went through
+    the model, so the sequence has ``prompt_len + generated - 1`` rows.
+    """
+    if routes.shape[0] == 0:
+        return None  # aborted before the prefill
+    start = width - prompt_len
+    return routes[start : start + max(0, prompt_len + generated - 1)].numpy()
 
 
 def _mark_unfinished(results: list[GenerationResult], reason: str) -> None:

@@ -17,6 +17,7 @@ import asyncio
 import logging
 import os
 import threading
+from collections import deque
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -74,11 +75,14 @@ class HFRolloutServer:
         self.options = engine_options(config, replica_rank)
         torch.set_num_threads(self.options.num_threads)
         self.engine = HFEngine.from_pretrained(_model_path(model_config), self.options)
+        # routing replay R3: return SGLang-style routed_experts with every output
+        self.engine.record_routes = bool(getattr(config, "enable_rollout_routing_replay", False))
         self.global_steps: int | None = None
         self._pending: list[_Pending] = []
         self._abort = threading.Event()
         self._rejecting = False
         self._started = False
+        self.batch_sizes: deque[int] = deque(maxlen=1024)  # sizes of recent decode batches
 
     def _ensure_started(self) -> None:
         """Create loop-bound state and the serving task on first use (inside the actor's loop)."""
@@ -141,6 +145,7 @@ class HFRolloutServer:
         return TokenOutput(
             token_ids=result.token_ids,
             log_probs=result.log_probs if with_log_probs else None,
+            routed_experts=result.routed_experts,
             stop_reason=result.stop_reason,
             extra_fields={"global_steps": version},
         )
@@ -155,6 +160,7 @@ class HFRolloutServer:
             if not batch:
                 continue
             self._idle.clear()
+            self.batch_sizes.append(len(batch))
             version = self.global_steps
             try:
                 results = await asyncio.to_thread(
