@@ -71,3 +71,11 @@ def test_default_job_separate_async_lag2(assets, tmp_path):
     assert run["lag"] == 2 and run["method"] == "sat_gspo"
     assert run["config"]["trainer"]["v1"]["separate_async"]["parameter_sync_step"] == 2
     assert "[verl-sat] step    2 |" in stdout and "[verl-sat] 2 steps in" in stdout
+
+
+@pytest.mark.parametrize("mode", ["sync", "colocate_async"])
+def test_colocated_modes(assets, tmp_path, mode):
+    rows, _ = run_main(assets, tmp_path / "run", f"trainer.v1.trainer_mode={mode}", "sat.lag=1")
+    check_sat_run(rows, lag=1)
+    if mode == "sync":
+        assert all(r["training/sat/staleness_steps/max"] == 0 for r in rows)  # on-policy: fresh weights

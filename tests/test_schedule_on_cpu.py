@@ -48,7 +48,11 @@ def test_lag_maps_onto_separate_async(lag):
 @pytest.mark.parametrize("mode", ["sync", "colocate_async", "sat_sync"])
 def test_lag_above_one_needs_separate_async(mode):
     cfg = v1_config(mode)
+    cfg.actor_rollout_ref.rollout.checkpoint_engine = {"backend": "ray_object_store"}
     apply_lag(cfg, 1)  # fine: these modes broadcast every step
+    # the rollout is colocated: no standalone nodes, weights move in process
+    assert cfg.actor_rollout_ref.hybrid_engine is True and cfg.actor_rollout_ref.rollout.nnodes == 0
+    assert cfg.actor_rollout_ref.rollout.checkpoint_engine.backend == "naive"
     with pytest.raises(ValueError, match=rf"sat.lag=8 needs trainer.v1.trainer_mode=separate_async.*{mode}"):
         apply_lag(cfg, 8)
 
