@@ -1,5 +1,5 @@
 """End-to-end: verl's own v1 trainer (``python -m verl.trainer.main_ppo``) on CPU, via
-``recipes/cpu/run_cpu_smoke.sh``, in sync, colocate_async and separate_async modes.
+``recipes/cpu/run_cpu_smoke.sh``: the plugins work under verl's unmodified entry point.
 
 Each run trains a randomly initialised tiny Qwen3-MoE for a few steps (the warm-up is not
 needed to exercise the pipeline) and the test reads the console metrics. Minutes on 2 cores:
@@ -87,14 +87,6 @@ def test_sync(work_dir: Path) -> None:
     assert all(m["training/off_policy/trajectory_staleness/max"] == 0 for m in metrics.values())
 
 
-def test_colocate_async(work_dir: Path) -> None:
-    metrics = run_mode(work_dir, "colocate_async", steps=3)
-    _check_common(metrics, 3)
-
-
-def test_separate_async(work_dir: Path) -> None:
-    metrics = run_mode(work_dir, "separate_async", steps=3, MAX_OFF_POLICY="1")
-    _check_common(metrics, 3)
-    for m in metrics.values():
-        assert 0 <= m["training/off_policy/trajectory_staleness/max"] <= 1  # max_off_policy_threshold
-        assert "training/off_policy/trajectory_spans/max" in m
+# colocate_async and separate_async run through the main job in tests/test_main_e2e.py (same
+# plugins, with verl_sat's schedule); here verl's own entry point is exercised once, in sync mode,
+# to keep CI inside its budget.
