@@ -116,6 +116,13 @@ def test_run_dir_refuses_to_overwrite_a_run(tmp_path):
     with pytest.raises(FileExistsError, match="already holds a run"):
         make_run_dir(v1_config(), sat)
     assert (run_dir / "metrics.jsonl").read_text() == '{"step": 1, "data": {}}\n'  # nothing lost
+    # with a checkpoint to resume from, the earlier lines are kept aside, not truncated by verl
+    (run_dir / "checkpoints" / "global_step_1").mkdir(parents=True)
+    cfg = v1_config()
+    cfg.trainer.resume_mode = "auto"
+    make_run_dir(cfg, sat)
+    assert (run_dir / "metrics.part1.jsonl").read_text() == '{"step": 1, "data": {}}\n'
+    assert not (run_dir / "metrics.jsonl").exists()
 
 
 def test_progress_and_summary_read_verls_file_logger(tmp_path):

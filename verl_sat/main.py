@@ -27,7 +27,7 @@ import hydra
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from verl_sat.paths import hydra_config_dir
-from verl_sat.schedule import SATRecipeConfig, apply_actor, apply_lag
+from verl_sat.schedule import SATRecipeConfig, apply_actor, apply_lag, apply_routing_replay
 
 METRICS_FILE = "metrics.jsonl"
 PROGRESS_KEYS = {
@@ -66,12 +66,10 @@ def ensure_default_assets(cfg: DictConfig, sat: SATRecipeConfig) -> None:
 
 
 def make_run_dir(cfg: DictConfig, sat: SATRecipeConfig) -> Path:
+    """The run directory (created), with verl's file logger and checkpoints pointed into it."""
     run_dir = Path(sat.run_dir or f"runs/{cfg.trainer.experiment_name}-{time.strftime('%Y%m%d-%H%M%S')}")
     run_dir = run_dir.resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
-    metrics = run_dir / METRICS_FILE
-    if metrics.exists() and metrics.stat().st_size > 0:
-        raise FileExistsError(f"{metrics} already holds a run; choose another sat.run_dir= (nothing was overwritten)")
     with open_dict(cfg):
         cfg.sat.run_dir = str(run_dir)
         loggers = list(cfg.trainer.logger) if cfg.trainer.logger else []
@@ -79,8 +77,31 @@ def make_run_dir(cfg: DictConfig, sat: SATRecipeConfig) -> Path:
             cfg.trainer.logger = loggers + ["file"]
         if cfg.trainer.default_local_dir in (None, "") or "checkpoints/" in str(cfg.trainer.default_local_dir):
             cfg.trainer.default_local_dir = str(run_dir / "checkpoints")
+    metrics = run_dir / METRICS_FILE
+    if metrics.exists() and metrics.stat().st_size > 0:
+        keep_earlier_metrics(cfg, run_dir, metrics)
     os.environ["VERL_FILE_LOGGER_PATH"] = str(metrics)
     return run_dir
+
+
+def keep_earlier_metrics(cfg: DictConfig, run_dir: Path, metrics: Path) -> None:
+    """A run dir that already holds metrics: resume (keeping them) or refuse.
+
+    verl's file logger truncates its file, so when verl will resume from a checkpoint
+    (``trainer.resume_mode`` auto/resume_path and checkpoints present) the earlier lines are moved
+    to ``metrics.part<k>.jsonl`` first; otherwise the run stops before touching anything.
+    """
+    resume = str(cfg.trainer.get("resume_mode", "disable")) in ("auto", "resume_path")
+    checkpoints = Path(str(cfg.trainer.default_local_dir))
+    if not (resume and checkpoints.is_dir() and any(checkpoints.glob("global_step_*"))):
+        raise FileExistsError(
+            f"{metrics} already holds a run and there is no checkpoint to resume from "
+            f"(trainer.resume_mode={cfg.trainer.get('resume_mode')}); choose another sat.run_dir= "
+            "(nothing was overwritten)"
+        )
+    k = 1 + len(list(run_dir.glob("metrics.part*.jsonl")))
+    metrics.rename(run_dir / f"metrics.part{k}.jsonl")
+    print(f"[verl-sat] resuming: earlier metrics kept in metrics.part{k}.jsonl", flush=True)
 
 
 def set_platform_env(cfg: DictConfig) -> None:
@@ -173,6 +194,7 @@ def prepare(cfg: DictConfig) -> tuple[SATRecipeConfig, Path]:
         ensure_default_assets(cfg, sat)
     apply_lag(cfg, sat.lag)
     apply_actor(cfg, sat.actor)
+    apply_routing_replay(cfg, sat.routing_replay)
     set_platform_env(cfg)
     run_dir = make_run_dir(cfg, sat)
     return sat, run_dir
