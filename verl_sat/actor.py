@@ -19,7 +19,8 @@ So verl-sat adds three small pieces, all through public seams:
    registered as ``trainer.v1.trainer_mode=sat_<mode>`` (``sat_sync``, ``sat_colocate_async``,
    ``sat_separate_async``). Each one behaves exactly as verl's ``<mode>``.
 2. ``sat_worker_class`` (on the actor worker): after verl's ``init_model``, replaces the
-   installed loss function with ``sat_ppo_loss``.
+   installed loss function with ``sat_ppo_loss``; before it, selects the routing-replay FSDP
+   engine when ``actor.fsdp_config.router_replay.mode`` asks for R2/R3 (``verl_sat.routing_replay``).
 3. ``sat_ppo_loss``: calls verl's own ``ppo_loss`` with the sample staleness published through
    ``current_staleness()``, then adds the SAT diagnostics broken down by staleness:
    ``actor/sat_by_staleness/<s>/{token_frac, gate_rate, mismatch_abs_mean}``, and
@@ -187,10 +188,13 @@ def sat_worker_class(remote_cls: Any) -> Any:
     base = remote_cls.__ray_actor_class__
 
     def init_model(self: Any) -> None:
+        from verl_sat.routing_replay import enable_on_worker
+
+        enable_on_worker(self)  # FSDP routing replay (R2/R3): verl_sat.routing_replay
         super(cls, self).init_model()
         install_sat_loss(self)
 
-    init_model.__doc__ = "verl's init_model, then ``install_sat_loss``."
+    init_model.__doc__ = "``enable_on_worker`` (routing replay), verl's init_model, then ``install_sat_loss``."
     cls = type(
         f"SAT{base.__name__}",
         (base,),

@@ -72,7 +72,9 @@ def find_routers(model: nn.Module) -> list[nn.Module | None]:
             raise ValueError(f"decoder layer {len(routers)} has {len(found)} routers; one per layer is supported")
         routers.append(found[0] if found else None)
     if not any(r is not None for r in routers):
-        raise ValueError(f"{type(model).__name__}: no MoE router follows the gate contract (see verl_sat.routing_replay)")
+        raise ValueError(
+            f"{type(model).__name__}: no MoE router follows the gate contract (see verl_sat.routing_replay)"
+        )
     for router in routers:
         if router is not None and "GptOss" in type(router).__name__:
             raise ValueError("GPT-OSS routers weight the top-k logits, not the full softmax: not supported")
@@ -143,14 +145,20 @@ def align_routes(
         for i, sample in enumerate(per_sample):
             real = mask[i].nonzero().squeeze(-1)
             n = int(sample.shape[0]) if sample.dim() else -1
-            if sample.dim() != 3 or tuple(sample.shape[1:]) != (num_layers, top_k) or n not in (len(real), len(real) - 1):
+            if (
+                sample.dim() != 3
+                or tuple(sample.shape[1:]) != (num_layers, top_k)
+                or n not in (len(real), len(real) - 1)
+            ):
                 raise ValueError(
                     f"routes of sample {i} have shape {tuple(sample.shape)}; sample {i} has {len(real)} tokens, "
                     f"so expected ({len(real)}, {num_layers}, {top_k}) or ({len(real) - 1}, {num_layers}, {top_k})"
                 )
             indices[i, real[:n]] = sample.to(device=mask.device, dtype=torch.int64)
             placed[i, real[:n]] = True
-    recorded = ~(indices == indices[..., :1]).all(-1) if top_k > 1 else torch.ones_like(indices[..., 0], dtype=torch.bool)
+    recorded = (
+        ~(indices == indices[..., :1]).all(-1) if top_k > 1 else torch.ones_like(indices[..., 0], dtype=torch.bool)
+    )
     return indices, placed.unsqueeze(-1) & recorded
 
 

@@ -19,9 +19,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from verl_sat.routing_replay import perturb_routing, record_routes
 from verl_sat.rollout.sampling import RowSampling, SamplingParams, sample_next
 from verl_sat.rollout.weights import load_named_tensors
+from verl_sat.routing_replay import perturb_routing, record_routes
 
 
 @dataclass
