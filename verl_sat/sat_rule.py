@@ -76,7 +76,7 @@ class SATFactors:
     q: torch.Tensor  # () the batch reference
     gate: torch.Tensor  # bool, shape of d: 1{mask, q > 0, |d| > q}
     idx: torch.Tensor  # (G,) flat indices of the gated tokens
-    c: torch.Tensor  # (G,) psi(|d|; q) at the gated tokens, in (0, 1/2)
+    c: torch.Tensor  # (G,) psi(|d|; q) at the gated tokens, in (0, 1/2); fp32 or wider
     positive: torch.Tensor  # (G,) bool, d > 0 at the gated tokens
 
     def _dense(self, side: torch.Tensor) -> torch.Tensor:
@@ -114,7 +114,9 @@ def sat_factors(d: torch.Tensor, mask: torch.Tensor, alpha: float, kernel: str, 
     gate = mask & (a > q) & (q > 0)
     idx = gate.reshape(-1).nonzero().squeeze(-1)
     d_gated = d_sg.reshape(-1)[idx]
-    c = kernel_psi(d_gated.abs(), q, kernel, exponent)
+    # the kernel in at least fp32: in bf16, u/q just above 1 rounds psi up to exactly 1/2
+    work = torch.promote_types(d_sg.dtype, torch.float32)
+    c = kernel_psi(d_gated.abs().to(work), q.to(work), kernel, exponent)
     return SATFactors(q=q, gate=gate, idx=idx, c=c, positive=d_gated > 0)
 
 
