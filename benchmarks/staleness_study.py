@@ -376,7 +376,7 @@ def seed_band(series_list: Sequence[Series]) -> tuple[list[int], list[float], li
 
 def plot_study(runs: Sequence[Run], key_fn: Any, ylabel: str, title: str, path: Path) -> Path:
     """One panel per lag, one line per method (seed mean, ±1 std band), x = optimizer steps."""
-    from verl_sat.report import _colors, _no_data, _pyplot
+    from verl_sat.report import _colors, _pyplot, finish_lag_panel, save_panels
 
     plt = _pyplot()
     lags = sorted({r.lag for r in runs}) or [1]
@@ -396,20 +396,9 @@ def plot_study(runs: Sequence[Run], key_fn: Any, ylabel: str, title: str, path: 
             high = [m + s for m, s in zip(mean, std, strict=True)]
             ax.fill_between(steps, low, high, color=colors[method], alpha=0.2)
             plotted = True
-        if plotted:
-            ax.legend(fontsize=7)
-        else:
-            _no_data(ax)
-        ax.set_title(f"lag {lag}")
+        finish_lag_panel(ax, lag, plotted, "optimizer step")
         ax.set_xlim(left=0)
-        ax.set_xlabel("optimizer step")
-        ax.grid(alpha=0.3)
-    axes[0][0].set_ylabel(ylabel)
-    fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_panels(fig, axes, ylabel, title, path)
 
 
 def write_summary(out: Path, title: str = "Staleness study") -> list[CellSummary]:

@@ -429,6 +429,27 @@ def _no_data(ax: Any) -> None:
     ax.text(0.5, 0.5, "no data", ha="center", va="center", transform=ax.transAxes, color="gray")
 
 
+def finish_lag_panel(ax: Any, lag: int, plotted: bool, xlabel: str) -> None:
+    """Legend (or a "no data" mark), the lag as title, the x label and a light grid."""
+    if plotted:
+        ax.legend(fontsize=7)
+    else:
+        _no_data(ax)
+    ax.set_title(f"lag {lag}")
+    ax.set_xlabel(xlabel)
+    ax.grid(alpha=0.3)
+
+
+def save_panels(fig: Any, axes: Any, ylabel: str, title: str, path: Path) -> Path:
+    """Label the first panel, title the figure, write it as PNG and close it."""
+    axes[0][0].set_ylabel(ylabel)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    _pyplot().close(fig)
+    return path
+
+
 def plot_series(
     runs: Sequence[Run], key_fn: Any, ylabel: str, title: str, path: Path, smooth: float = 0.0, paper: Any = None
 ) -> Path:
@@ -449,19 +470,8 @@ def plot_series(
             if value is not None:
                 ax.plot([steps[-1]], [value], marker="*", ms=11, color=colors[run.method], ls="none")
             plotted = True
-        if plotted:
-            ax.legend(fontsize=7)
-        else:
-            _no_data(ax)
-        ax.set_title(f"lag {lag}")
-        ax.set_xlabel("step")
-        ax.grid(alpha=0.3)
-    axes[0][0].set_ylabel(ylabel)
-    fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+        finish_lag_panel(ax, lag, plotted, "step")
+    return save_panels(fig, axes, ylabel, title, path)
 
 
 def plot_aime24_bars(rows: Sequence[Row], path: Path) -> Path:
