@@ -26,7 +26,7 @@ _register_cpu_and_rollout()
 
 def _register_sat_trainers() -> None:
     """``trainer.v1.trainer_mode=sat_<mode>`` (AsyncSATActor), once verl's v1 trainers are imported."""
-    from verl_sat.rollout import when_imported
+    from verl_sat.hooks import when_imported
 
     when_imported("verl.trainer.ppo.v1", lambda _module: __import__("verl_sat.actor").actor.register_sat_trainers())
 

@@ -291,7 +291,7 @@ def register() -> None:
     when the platform is selected, install the CPU fixes listed in the module doc."""
     from verl.plugin.platform import PlatformRegistry
 
-    from verl_sat.rollout import when_imported
+    from verl_sat.hooks import when_imported
 
     if PlatformRegistry.get(PLATFORM_NAME) is None:
         PlatformRegistry.register(platform=PLATFORM_NAME)(_make_platform_class())

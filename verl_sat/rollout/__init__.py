@@ -17,30 +17,12 @@ sampling, to induce a rollout/trainer mismatch), ``batch_wait_ms`` (5), ``num_th
 
 from __future__ import annotations
 
-import importlib
-import sys
-from collections.abc import Callable
 from types import ModuleType
+
+from verl_sat.hooks import when_imported
 
 ROLLOUT_NAME = "hf"
 ADAPTER_PATH = "verl_sat.rollout.adapter.HFServerAdapter"
-
-
-def when_imported(module_name: str, hook: Callable[[ModuleType], None]) -> None:
-    """Run ``hook(module)`` once ``module_name`` is imported (now, if it already is).
-
-    Uses ``wrapt.register_post_import_hook`` (wrapt comes with verl's dependencies); without
-    wrapt the module is imported eagerly instead.
-    """
-    if module_name in sys.modules:
-        hook(sys.modules[module_name])
-        return
-    try:
-        import wrapt
-    except ImportError:
-        hook(importlib.import_module(module_name))
-        return
-    wrapt.register_post_import_hook(hook, module_name)
 
 
 def _load_replica() -> type:
