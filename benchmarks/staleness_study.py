@@ -35,6 +35,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -57,10 +58,13 @@ SEED_KEYS = ("actor_rollout_ref.rollout.seed", "data.seed")
 DEFAULT_NOISE = 0.5  # measured at lag 1: mean dbar_pi 0.069 vs 0.015 without noise (0.2: 0.024; docs/study.md)
 QUICK = {"methods": ("gspo", "sat_gspo"), "r3": (False,), "lags": (1, 8), "seeds": (1,), "steps": 8}
 FULL = {"methods": tuple(LOSSES), "r3": (False, True), "lags": (1, 8), "seeds": (1, 2, 3), "steps": 16}
-# Cost model of the estimate, measured by the quick study on the 2 shared cores (load 10-21):
-# Ray, workers, FSDP and rollout start-up per run 110-200 s; an optimizer step 2-4 s (docs/study.md).
-STARTUP_S = 140.0
+# Cost model of the estimate, measured on the quiet 2-core machine (docs/study.md): Ray, workers,
+# FSDP and rollout start-up ~65 s per run (verl's import alone is 7.5 s in each of ~6 processes);
+# an optimizer step ~3.5 s. Two runs side by side took 144 s against 2 x 86 s one after the
+# other: start-up is mostly one process importing at a time, so a second job overlaps it.
+STARTUP_S = 65.0
 STEP_S = 3.5
+PARALLEL_GAIN = 1.2  # throughput of --jobs >= 2 over --jobs 1 (measured with 2; 2 cores)
 BUDGET_MIN = 60.0
 FINAL_FRAC = 0.25
 # report.py's collapse rule, judged only on runs with >= 16 logged steps: on 8 steps of a reward
@@ -145,9 +149,11 @@ def command(spec: RunSpec, out: Path, extra: Sequence[str] = (), python: str = s
     return [python, "-m", "verl_sat.main", *spec.overrides(out / "runs" / spec.name), *extra]
 
 
-def estimate_s(specs: Sequence[RunSpec], startup_s: float = STARTUP_S, step_s: float = STEP_S) -> float:
-    """Estimated wall time of ``specs`` in seconds (start-up + optimizer steps, one run at a time)."""
-    return sum(startup_s + spec.steps * step_s for spec in specs)
+def estimate_s(specs: Sequence[RunSpec], startup_s: float = STARTUP_S, step_s: float = STEP_S, jobs: int = 1) -> float:
+    """Estimated wall time of ``specs`` in seconds: start-up + optimizer steps per run, run ``jobs``
+    at a time (``PARALLEL_GAIN`` for more than one: 2 cores do not make two runs twice as fast)."""
+    serial = sum(startup_s + spec.steps * step_s for spec in specs)
+    return serial / (PARALLEL_GAIN if jobs > 1 else 1.0)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -436,6 +442,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seeds", type=int, nargs="+", default=None, help="seeds (full default: 1 2 3)")
     p.add_argument("--methods", nargs="+", default=None, help=f"subset of {list(LOSSES)}")
     p.add_argument("--no-r3", action="store_true", help="skip the R3 variants")
+    p.add_argument("--jobs", type=int, default=2, help="runs side by side (each starts its own Ray cluster)")
     p.add_argument("--timeout-s", type=float, default=1200.0, help="per-run wall-clock limit")
     p.add_argument("--startup-s", type=float, default=STARTUP_S, help="estimate: start-up seconds per run")
     p.add_argument("--step-s", type=float, default=STEP_S, help="estimate: seconds per optimizer step")
@@ -465,10 +472,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     specs = specs_from_args(args)
     out = args.out.resolve()
-    est = estimate_s(specs, args.startup_s, args.step_s)
+    if args.jobs < 1:
+        raise SystemExit(f"--jobs must be >= 1, got {args.jobs}")
+    est = estimate_s(specs, args.startup_s, args.step_s, args.jobs)
     print(
         f"[study] {len(specs)} runs, {specs[0].steps} optimizer steps each, noise {args.noise}; estimate "
-        f"{est / 60:.1f} min ({args.startup_s:.0f} s start-up + {args.step_s:.1f} s/optimizer step per run)"
+        f"{est / 60:.1f} min ({args.startup_s:.0f} s start-up + {args.step_s:.1f} s/optimizer step per run, "
+        f"{args.jobs} at a time)"
     )
     if est / 60 > BUDGET_MIN:
         print(f"[study] warning: above the {BUDGET_MIN:.0f} min budget; per-run start-up dominates (--no-r3 halves it)")
@@ -480,7 +490,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     out.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
-    records = [run_one(spec, out, args.extra, args.timeout_s) for spec in specs]
+    with ThreadPoolExecutor(max_workers=args.jobs) as pool:  # each run is its own subprocess
+        records = list(pool.map(lambda spec: run_one(spec, out, args.extra, args.timeout_s), specs))
     wall = time.perf_counter() - start
     print(f"[study] {len(records)} runs in {wall / 60:.1f} min (estimate was {est / 60:.1f} min)", flush=True)
     (out / "wall_time.json").write_text(json.dumps({"seconds": wall, "estimate_s": est}) + "\n")
