@@ -12,7 +12,7 @@ import torch
 
 from verl_sat.default import data as task
 from verl_sat.default import model as tiny
-from verl_sat.rollout.engine import EngineOptions, GenerationRequest, HFEngine
+from verl_sat.rollout.engine import EngineOptions, GenerationRequest, HFEngine, logit_noise_for
 from verl_sat.rollout.sampling import RowSampling, SamplingParams, sample_next
 from verl_sat.rollout.weights import refuse_moe_params
 
@@ -142,6 +142,23 @@ def test_logit_noise_changes_rollout_distribution(model_dir: Path) -> None:
     result = noisy.generate_batch([GenerationRequest(prompt, SamplingParams(), 8)])[0]
     expected = _trainer_log_probs(noisy.model, prompt, result.token_ids)
     assert (expected - torch.tensor(result.log_probs)).abs().max().item() > 1e-3
+
+
+def test_fault_step_switches_the_noise_by_weight_version(engine: HFEngine, model_dir: Path) -> None:
+    options = EngineOptions(fault_step=3, fault_logit_noise_std=3.0)
+    assert [logit_noise_for(options, v) for v in (None, 0, 2, 3, 9)] == [0.0, 0.0, 0.0, 3.0, 3.0]
+    assert logit_noise_for(EngineOptions(logit_noise_std=0.5), 10**6) == 0.5  # fault_step -1: never
+    prompt = _prompts(model_dir, 1)[0]
+    gaps = []
+    for version in (2, 3):
+        engine.logit_noise_std = logit_noise_for(options, version)
+        try:
+            result = engine.generate_batch([GenerationRequest(prompt, SamplingParams(), 8)])[0]
+        finally:
+            engine.logit_noise_std = 0.0
+        expected = _trainer_log_probs(engine.model, prompt, result.token_ids)
+        gaps.append((expected - torch.tensor(result.log_probs)).abs().max().item())
+    assert gaps[0] < 1e-5 < 1e-1 < gaps[1], gaps  # clean before the fault step, far off from it on
 
 
 # ---------------------------------------------------------------- Ray server

@@ -79,3 +79,37 @@ def test_colocated_modes(assets, tmp_path, mode):
     check_sat_run(rows, lag=1)
     if mode == "sync":
         assert all(r["training/sat/staleness_steps/max"] == 0 for r in rows)  # on-policy: fresh weights
+
+
+@pytest.fixture(scope="session")
+def default_assets(tmp_path_factory) -> Path:
+    """The default's assets as `verl-sat` builds them (the full warm-up: a reward signal to lose)."""
+    from verl_sat.default.warmup import WarmupArgs, build
+
+    out = tmp_path_factory.mktemp("default_assets")
+    build(out, WarmupArgs())
+    return out
+
+
+def test_sentinel_quiet_on_the_default_then_fires_on_an_induced_collapse(default_assets, tmp_path):
+    """The default job (sentinel on) with a rollout fault from weight version 8: stop on the alarm."""
+    fault, total = 8, 16
+    rows, stdout = run_main(
+        default_assets,
+        tmp_path / "run",
+        f"trainer.total_training_steps={total}",
+        "sat.sentinel.action=stop",
+        f"actor_rollout_ref.rollout.engine_kwargs.hf.fault_step={fault}",
+    )
+    steps = [r["step"] for r in rows]
+    alarms = [r["step"] for r in rows if r.get("sentinel/alarm") == 1.0]
+    assert all("sentinel/low_run" in r for r in rows)  # scored every step
+    assert alarms and all(s >= fault for s in alarms), (alarms, stdout[-2000:])  # quiet before the fault
+    alarm = alarms[0]
+    assert alarm <= fault + 6 and steps[-1] == alarm < total  # caught within a few steps, and stopped there
+    by_step = {r["step"]: r for r in rows}
+    assert by_step[alarm]["sentinel/stop"] == 1.0
+    assert by_step[alarm]["critic/score/mean"] < by_step[alarm]["sentinel/reward_band_low"]
+    pre = sorted(by_step[s]["actor/mismatch_abs_mean"] for s in steps if s < fault)
+    assert max(by_step[s]["actor/mismatch_abs_mean"] for s in steps if s >= fault) > 10 * pre[len(pre) // 2]
+    assert f"[verl-sat] sentinel: collapse signature at step {alarm}" in stdout

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Iterator
 from pathlib import Path
@@ -163,6 +164,58 @@ def test_fires_within_bounded_steps_of_onset(seed: int, sigma: float, onset: int
     assert fired is not None and onset + ON.patience - 1 <= fired <= onset + ON.patience + 4
 
 
+def binomial_stream(
+    seed: int,
+    steps: int,
+    p: float,
+    samples: int = 64,
+    onset: int | None = None,
+    p_after: float = 0.0,
+    spike: float = 3.0,
+) -> Iterator[tuple[int, dict[str, float]]]:
+    """Reward = mean of ``samples`` Bernoulli(p) scores (the CPU default's noise), log-normal dbar_pi.
+
+    From ``onset`` on, p becomes ``p_after`` and dbar_pi is multiplied by ``spike``.
+    """
+    rng = np.random.default_rng(seed)
+    for t in range(1, steps + 1):
+        collapsed = onset is not None and t >= onset
+        yield (
+            t,
+            {
+                REWARD: rng.binomial(samples, p_after if collapsed else p) / samples,
+                DBAR: 0.02 * math.exp(0.1 * rng.standard_normal()) * (spike if collapsed else 1.0),
+                GRAD: abs(1.0 + 0.2 * rng.standard_normal()),
+            },
+        )
+
+
+def test_low_reward_collapse_to_zero_needs_the_relative_cap():
+    # 32 samples at p = 0.1 (the quick study's batch): sigma ~0.05, so k sigma > the median and the
+    # uncapped band mostly sits below 0, where no reward can fall. A noise dip (P ~ 0.1) may open
+    # the low run a step early; there is never an alarm before the onset.
+    uncapped = SentinelConfig(enabled=True, reward_max_rel_drop=0.0)
+    seeds = range(20)
+    fired = [first_alarm(ON, binomial_stream(s, 80, p=0.1, samples=32, onset=50)) for s in seeds]
+    missed = [first_alarm(uncapped, binomial_stream(s, 80, p=0.1, samples=32, onset=50)) for s in seeds]
+    assert all(f is not None and 50 <= f <= 50 + ON.patience + 4 for f in fired), fired
+    assert sum(m is not None for m in missed) <= 3, missed
+
+
+@settings(max_examples=25, deadline=None, derandomize=True)
+@given(seed=st.integers(0, 2**31 - 1), p=st.sampled_from([0.03, 0.1, 0.3, 0.6]))
+def test_no_false_alarm_on_binomial_reward_noise(seed: int, p: float):
+    # low rewards dip below half the median often; the alarm also needs a mismatch spike
+    assert first_alarm(ON, binomial_stream(seed, 300, p=p)) is None
+
+
+def test_band_is_capped_at_a_fraction_of_the_median():
+    sentinel = CollapseSentinel(SentinelConfig(enabled=True, warmup=4, window=4))
+    for t, r in enumerate([0.0, 0.2, 0.1, 0.1], start=1):  # med 0.1, sigma 0.074: 3 sigma = 0.22 > 0.5 * 0.1
+        sentinel.update(t, {REWARD: r})
+    assert sentinel.reward_band() == pytest.approx(0.05)
+
+
 # ---------------------------------------------------------------------------------------------
 # config
 # ---------------------------------------------------------------------------------------------
@@ -178,6 +231,7 @@ def test_fires_within_bounded_steps_of_onset(seed: int, sigma: float, onset: int
         ({"reward_k": 0}, "sat.sentinel.reward_k must be a finite number > 0, got 0"),
         ({"spike_z": float("nan")}, "sat.sentinel.spike_z must be a finite number > 0, got nan"),
         ({"reward_min_drop": -0.1}, "sat.sentinel.reward_min_drop must be a finite number >= 0, got -0.1"),
+        ({"reward_max_rel_drop": -1}, "sat.sentinel.reward_max_rel_drop must be a finite number >= 0, got -1"),
         ({"mismatch_keys": [""]}, r"sat.sentinel.mismatch_keys must be a list of non-empty strings, got \(''"),
         ({"require_mismatch_spike": 1}, "sat.sentinel.require_mismatch_spike must be a bool, got 1"),
         ({"windw": 5}, "unknown key.*sat.sentinel.windw"),
@@ -200,7 +254,10 @@ def test_config_from_hydra_node_and_cpu_yaml_matches_defaults():
     assert config.enabled and config.action == "stop" and config.mismatch_keys == ("actor/sat_q",)
     assert SentinelConfig.from_node(None) == SentinelConfig()
     yaml = OmegaConf.load(Path(hydra_config_dir()) / "sat_gspo_cpu.yaml")
-    assert SATRecipeConfig.from_node(yaml.sat).sentinel == SentinelConfig()  # the yaml lists the defaults
+    assert set(yaml.sat.sentinel) == {f.name for f in dataclasses.fields(SentinelConfig)}  # the yaml lists every key
+    # the CPU default: on, in log mode, windows sized for its 12 steps; every other key at the class default
+    cpu = SentinelConfig(enabled=True, action="log", window=20, warmup=6)
+    assert SATRecipeConfig.from_node(yaml.sat).sentinel == cpu
 
 
 # ---------------------------------------------------------------------------------------------

@@ -15,12 +15,18 @@ Notation, per global step t (verl's ``global_steps``), over a rolling history ``
 1.4826 makes sigma the standard deviation for gaussian noise; the floor rho |med| keeps a
 near-constant history (MAD ~ 0) from turning rounding noise into huge z-scores.
 
+The cap r_max |med| matters at low reward, where sampling noise is large next to the median: at
+a median of 0.10 with sigma 0.06 (64 samples), k sigma = 0.18 would put the band below 0, and a
+reward falling to 0 could never be "low". With r_max = 0.5, losing half the reward always is.
+
 The rule, with reward R (``critic/score/mean``), mismatch signals M^j (``dbar_pi`` =
 ``actor/mismatch_abs_mean`` and SAT's reference ``q`` = ``actor/sat_q``), gradient norm G and
 entropy E:
 
     warm_t  = |H_R| >= warmup
-    band_t  = med(H_R) - max(k sigma(H_R), delta_min)              k = reward_k, delta_min = reward_min_drop
+    drop_t  = min(max(k sigma(H_R), delta_min), r_max |med(H_R)|)  k = reward_k, delta_min = reward_min_drop,
+                                                                     r_max = reward_max_rel_drop (0: no cap)
+    band_t  = med(H_R) - drop_t
     low_t   = warm_t and R_t < band_t
     run_t   = run_{t-1} + 1 if low_t else 0                          (consecutive low steps)
     onset   = the first step of the current low run
@@ -83,6 +89,8 @@ class SentinelConfig:
         reward_min_drop: the band is at least this far below the median (reward units; rewards
             from the math verifier are in [0, 1]). Keeps a near-constant reward from alarming on
             a tiny dip.
+        reward_max_rel_drop: r_max, the band is never more than this fraction of |median| below
+            the median (0: no cap). For rewards in [0, 1]; keeps the band above 0 at low reward.
         spike_z: a mismatch z-score at or above this is a spike.
         spike_lookback: L, steps before the onset of the low run in which a spike still counts.
         require_mismatch_spike: the alarm needs a mismatch spike (the paper's signature); off:
@@ -108,6 +116,7 @@ class SentinelConfig:
     patience: int = 3
     reward_k: float = 3.0
     reward_min_drop: float = 0.05
+    reward_max_rel_drop: float = 0.5
     spike_z: float = 4.0
     spike_lookback: int = 10
     require_mismatch_spike: bool = True
@@ -139,7 +148,7 @@ class SentinelConfig:
         _check("warmup", self.warmup, self.warmup <= self.window, f"<= sat.sentinel.window ({self.window})")
         for name in ("reward_k", "spike_z", "aux_z"):
             _check_float(name, getattr(self, name), strictly_positive=True)
-        for name in ("reward_min_drop", "scale_rel_floor"):
+        for name in ("reward_min_drop", "reward_max_rel_drop", "scale_rel_floor"):
             _check_float(name, getattr(self, name), strictly_positive=False)
 
     @classmethod
@@ -268,11 +277,15 @@ class CollapseSentinel:
         return robust_z(value, history, self.config.scale_rel_floor)
 
     def reward_band(self) -> float:
-        """band = med(H_R) - max(k sigma(H_R), delta_min); nan before the warm-up."""
-        if len(self._reward) < self.config.warmup:
+        """band = med(H_R) - min(max(k sigma(H_R), delta_min), r_max |med(H_R)|); nan before the warm-up."""
+        cfg = self.config
+        if len(self._reward) < cfg.warmup:
             return math.nan
-        med, sigma, _ = robust_center_scale(self._reward, self.config.scale_rel_floor)
-        return med - max(self.config.reward_k * sigma, self.config.reward_min_drop)
+        med, sigma, _ = robust_center_scale(self._reward, cfg.scale_rel_floor)
+        drop = max(cfg.reward_k * sigma, cfg.reward_min_drop)
+        if cfg.reward_max_rel_drop > 0:
+            drop = min(drop, cfg.reward_max_rel_drop * abs(med))
+        return med - drop
 
     # -- one step ------------------------------------------------------------------------------
     def update(self, step: int, metrics: Mapping[str, Any]) -> SentinelEvent | None:

@@ -12,7 +12,9 @@ corresponding module (a post-import hook), so ``import verl`` stays as cheap as 
 Knobs (``+actor_rollout_ref.rollout.engine_kwargs.hf.<key>=...`` or env ``VERL_SAT_ROLLOUT_<KEY>``,
 env wins): ``logit_noise_std`` (default 0.0; Gaussian noise added to rollout logits before
 sampling, to induce a rollout/trainer mismatch), ``batch_wait_ms`` (5), ``num_threads`` (1),
-``experts_implementation`` (eager), ``seed`` (rollout.seed + 1000 * replica_rank).
+``experts_implementation`` (eager), ``seed`` (rollout.seed + 1000 * replica_rank),
+``router_noise_std`` (0.0; routing mismatch), ``fault_step`` (-1) and ``fault_logit_noise_std`` (3.0):
+an induced collapse, the logit noise jumps for weight versions >= ``fault_step``.
 """
 
 from __future__ import annotations

@@ -60,6 +60,18 @@ class EngineOptions:
     """seed of the sampling generator"""
     router_noise_std: float = 0.0
     """std of Gaussian noise on the router logits when choosing experts (induces a routing mismatch)"""
+    fault_step: int = -1
+    """induced collapse: from weight version (verl ``global_steps``) >= ``fault_step`` on, the logit
+    noise becomes ``fault_logit_noise_std`` (-1: never). Rewards fall and dbar_pi jumps: the collapse
+    signature on demand, for the sentinel's end-to-end test (docs/sentinel.md)"""
+    fault_logit_noise_std: float = 3.0
+    """the logit noise std from ``fault_step`` on"""
+
+
+def logit_noise_for(options: EngineOptions, version: int | None) -> float:
+    """The rollout's logit noise std for weights of ``version``: the fault's from ``fault_step`` on."""
+    faulty = options.fault_step >= 0 and version is not None and version >= options.fault_step
+    return options.fault_logit_noise_std if faulty else options.logit_noise_std
 
 
 def load_model(path: str, experts_implementation: str = "eager") -> Any:
@@ -83,6 +95,7 @@ class HFEngine:
         self.pad_token_id = int(pad_token_id)
         self.options = options
         self.generator = torch.Generator().manual_seed(options.seed)
+        self.logit_noise_std = options.logit_noise_std  # the server sets it per weight version (logit_noise_for)
         self.record_routes = False  # return routed_experts (routing replay R3)
         if options.router_noise_std > 0:
             self._router_noise = torch.Generator().manual_seed(options.seed + 1)
@@ -144,7 +157,7 @@ class HFEngine:
                 _mark_unfinished(results, "aborted")
                 break
             logits = self._forward(step_ids, attention_mask, position_ids, cache)
-            tokens, log_probs = sample_next(logits, rows, self.generator, self.options.logit_noise_std)
+            tokens, log_probs = sample_next(logits, rows, self.generator, self.logit_noise_std)
             self._append(results, budgets, tokens.tolist(), log_probs.tolist())
             if all(r.stop_reason for r in results):
                 break

@@ -21,7 +21,7 @@ from collections import deque
 from dataclasses import dataclass, fields
 from typing import Any
 
-from verl_sat.rollout.engine import EngineOptions, GenerationRequest, GenerationResult, HFEngine
+from verl_sat.rollout.engine import EngineOptions, GenerationRequest, GenerationResult, HFEngine, logit_noise_for
 from verl_sat.rollout.sampling import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -162,6 +162,7 @@ class HFRolloutServer:
             self._idle.clear()
             self.batch_sizes.append(len(batch))
             version = self.global_steps
+            self.engine.logit_noise_std = logit_noise_for(self.options, version)
             try:
                 results = await asyncio.to_thread(
                     self.engine.generate_batch, [p.request for p in batch], self._abort.is_set
