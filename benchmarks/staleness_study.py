@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from verl_sat.report import DBAR_PI_KEY, GATE_RATE_KEY, CollapseRule, Run, Series, load_run, reward_series
+from verl_sat.sentinel import CollapseSentinel, SentinelConfig
 
 # ---------------------------------------------------------------------------------------------
 # Settings
@@ -214,6 +215,33 @@ class RunStats:
     collapsed: bool | None = None
     dbar_pi: float | None = None
     gate_rate: float | None = None
+    sentinel_alarms: int | None = None
+    sentinel_scored: int | None = None
+
+
+def cpu_sentinel_config() -> SentinelConfig:
+    """The CPU default's ``sat.sentinel`` (``hydra_configs/sat_gspo_cpu.yaml``), as the main job runs it."""
+    from omegaconf import OmegaConf
+
+    from verl_sat.paths import hydra_config_dir
+
+    return SentinelConfig.from_node(OmegaConf.load(Path(hydra_config_dir()) / "sat_gspo_cpu.yaml").sat.sentinel)
+
+
+def replay_sentinel(run: Run, config: SentinelConfig) -> tuple[int, int]:
+    """(alarms, scored steps) of the collapse sentinel replayed on a run's logged metrics.
+
+    The sentinel is pure Python over per-step metric dicts, so replaying it on ``metrics.jsonl``
+    is what it would have done online. A step is scored once the reward band exists (after the
+    warm-up).
+    """
+    sentinel = CollapseSentinel(config)
+    steps = sorted({step for series in run.metrics.values() for step in series})
+    alarms = scored = 0
+    for step in steps:
+        scored += math.isfinite(sentinel.reward_band())
+        alarms += sentinel.update(step, {k: v[step] for k, v in run.metrics.items() if step in v}) is not None
+    return alarms, scored
 
 
 def _mean(values: Sequence[float]) -> float | None:
@@ -234,10 +262,13 @@ def seed_of(name: str) -> int:
     return int(match.group(1)) if match else 0
 
 
-def run_stats(run: Run, seed: int, status: str = "ok", rule: CollapseRule | None = None) -> RunStats:
-    """Final and best reward, collapse flag, mean dbar_pi and mean gate rate of one run."""
+def run_stats(
+    run: Run, seed: int, status: str = "ok", rule: CollapseRule | None = None, sentinel: SentinelConfig | None = None
+) -> RunStats:
+    """Final and best reward, collapse flag, mean dbar_pi, mean gate rate and sentinel alarms of one run."""
     rewards = reward_series(run)
     gate = [v for _, v in run.series(GATE_RATE_KEY)]
+    alarms, scored = replay_sentinel(run, sentinel or cpu_sentinel_config())
     return RunStats(
         name=run.name,
         method=run.method,
@@ -249,6 +280,8 @@ def run_stats(run: Run, seed: int, status: str = "ok", rule: CollapseRule | None
         collapsed=(rule or COLLAPSE_RULE).collapsed(rewards),
         dbar_pi=_mean([v for _, v in run.series(DBAR_PI_KEY)]),
         gate_rate=_mean(gate),
+        sentinel_alarms=alarms,
+        sentinel_scored=scored,
     )
 
 
@@ -259,6 +292,7 @@ def load_study(out: Path) -> tuple[list[Run], list[RunStats]]:
     """
     root = out / "runs" if (out / "runs").is_dir() else out
     runs, stats = [], []
+    sentinel = cpu_sentinel_config()
     for run_dir in sorted(p for p in root.iterdir() if p.is_dir()):
         record = json.loads((run_dir / STATUS_FILE).read_text()) if (run_dir / STATUS_FILE).is_file() else {}
         seed = int(record.get("seed", seed_of(run_dir.name)))
@@ -266,7 +300,7 @@ def load_study(out: Path) -> tuple[list[Run], list[RunStats]]:
         if (run_dir / "metrics.jsonl").is_file() and status == "ok":
             run = load_run(run_dir)
             runs.append(run)
-            stats.append(run_stats(run, seed, status))
+            stats.append(run_stats(run, seed, status, sentinel=sentinel))
         elif record:
             stats.append(RunStats(run_dir.name, str(record["key"]), int(record["lag"]), seed, status))
     return runs, stats
@@ -282,6 +316,7 @@ class CellSummary:
     statuses: dict[str, int] = field(default_factory=dict)
     values: dict[str, tuple[float, float] | None] = field(default_factory=dict)
     collapses: tuple[int, int] = (0, 0)
+    sentinel: tuple[int, int] = (0, 0)  # (alarms, scored steps) over the cell's runs
 
 
 STAT_COLUMNS = ("final_reward", "best_reward", "dbar_pi", "gate_rate")
@@ -314,7 +349,8 @@ def summarize(stats: Sequence[RunStats]) -> list[CellSummary]:
             statuses[s.status] = statuses.get(s.status, 0) + 1
         values = {col: mean_std([getattr(s, col) for s in ok if getattr(s, col) is not None]) for col in STAT_COLUMNS}
         judged = [s.collapsed for s in ok if s.collapsed is not None]
-        out.append(CellSummary(method, lag, len(ok), statuses, values, (sum(judged), len(judged))))
+        sentinel = (sum(s.sentinel_alarms or 0 for s in ok), sum(s.sentinel_scored or 0 for s in ok))
+        out.append(CellSummary(method, lag, len(ok), statuses, values, (sum(judged), len(judged)), sentinel))
     return out
 
 
@@ -330,8 +366,8 @@ def format_study(cells: Sequence[CellSummary], title: str = "Staleness study") -
     lines = [
         f"# {title}",
         "",
-        "| method | lag | seeds | final reward | best reward | collapses | dbar_pi | SAT gate rate | runs |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| method | lag | seeds | final reward | best reward | collapses | dbar_pi | SAT gate rate | sentinel | runs |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for c in cells:
         collapsed, judged = c.collapses
@@ -345,6 +381,7 @@ def format_study(cells: Sequence[CellSummary], title: str = "Staleness study") -
             f"{collapsed}/{judged}" if judged else "n/a",
             _cell(c.values.get("dbar_pi"), ".4f"),
             _cell(c.values.get("gate_rate"), ".3f"),
+            f"{c.sentinel[0]} / {c.sentinel[1]}" if c.sentinel[1] else "n/a",
             statuses,
         ]
         lines.append("| " + " | ".join(cells_text) + " |")
@@ -354,6 +391,8 @@ def format_study(cells: Sequence[CellSummary], title: str = "Staleness study") -
         "collapses: runs whose reward lost at least half its gain late in the run (report.CollapseRule; "
         f"n/a below {COLLAPSE_RULE.min_points} logged steps).",
         f"dbar_pi: mean `{DBAR_PI_KEY}` over the run; gate rate: mean `{GATE_RATE_KEY}` (SAT runs only).",
+        "sentinel: alarms / scored steps of the CPU default's collapse sentinel replayed on the logged metrics "
+        "(n/a: no run reached its warm-up).",
         "Cells: mean ± std over seeds (std 0 with one seed). runs: statuses (unavailable = R3 failed).",
     ]
     return "\n".join(lines) + "\n"

@@ -156,9 +156,10 @@ def test_summary_rows(study, synthetic):
     assert by[("sat_gspo_r3", 8)].statuses == {"unavailable": 1} and by[("sat_gspo_r3", 8)].seeds == 0
 
     text = (synthetic / "study.md").read_text()
-    assert "| gspo | 1 | 2 | 0.413 ± 0.442 | 0.800 ± 0.000 | 1/2 | 0.0850 ± 0.0000 | – | 2 ok |" in text
+    # 16 steps, CPU default warm-up 6: 10 scored steps per run, no collapse signature (dbar_pi grows slowly)
+    assert "| gspo | 1 | 2 | 0.413 ± 0.442 | 0.800 ± 0.000 | 1/2 | 0.0850 ± 0.0000 | – | 0 / 20 | 2 ok |" in text
     assert "| sat_gspo | 8 | 1 | 0.300 ± 0.000 | 0.300 ± 0.000 | n/a |" in text
-    assert "| sat_gspo_r3 | 8 | 0 | – | – | n/a | – | – | 1 unavailable |" in text
+    assert "| sat_gspo_r3 | 8 | 0 | – | – | n/a | – | – | n/a | 1 unavailable |" in text
     record = json.loads((synthetic / "study.json").read_text())
     assert len(record["runs"]) == 5 and len(record["cells"]) == 4
 
@@ -189,3 +190,18 @@ def test_seed_band_and_optimizer_steps(study, synthetic):
     assert study.optimizer_step_series(lag8, lambda r: r.series("critic/score/mean")) == [(8, 0.3)]
     steps, mean, std = study.seed_band([[(1, 0.0), (2, 1.0)], [(1, 1.0)]])
     assert steps == [1, 2] and mean == [0.5, 1.0] and std[1] == 0.0
+
+
+def test_sentinel_replay_counts_a_collapse_signature(study, tmp_path):
+    rewards = [0.5, 0.45, 0.55, 0.5, 0.48, 0.52, 0.5, 0.47, 0.53, 0.5] + [0.0] * 6
+    write_run(tmp_path, "gspo", 1, 1, rewards, dbar=0.01, gate=None)
+    metrics = tmp_path / "runs" / "gspo-lag1-seed1" / "metrics.jsonl"
+    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+    for row in rows:  # dbar_pi flat, then 100x from the collapse on
+        row["data"]["actor/mismatch_abs_mean"] = (
+            0.01 * (1 + 0.05 * (row["step"] % 3)) * (100 if row["step"] > 10 else 1)
+        )
+    metrics.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    runs, stats = study.load_study(tmp_path)
+    assert (stats[0].sentinel_alarms, stats[0].sentinel_scored) == (1, 10)
+    assert study.replay_sentinel(runs[0], study.SentinelConfig(enabled=True)) == (0, 0)  # warm-up 20 > 16 steps
