@@ -99,15 +99,19 @@ def _padded(data: Any, key: str) -> torch.Tensor:
 def staleness_breakdown(
     staleness: torch.Tensor,
     log_prob: torch.Tensor,
-    old_log_prob: torch.Tensor,
+    mu_log_prob: torch.Tensor,
     response_mask: torch.Tensor,
     config: Any,
+    gate: torch.Tensor | None = None,
 ) -> dict[str, float]:
     """SAT diagnostics per staleness value over one micro-batch (SPEC §5, ours).
 
     token_frac        = share of the active tokens whose sample has staleness s
     gate_rate         = mean over those tokens of 1{q > 0, |d| > q}, q from the whole micro-batch
     mismatch_abs_mean = mean over those tokens of |log pi - log mu|
+
+    ``gate`` is the SAT loss's own (``LossContext``); without it (SAT off, or another loss) the
+    gate SAT would apply is computed here from d = log pi - log mu.
     """
     from verl_sat.config import sat_settings
     from verl_sat.sat_rule import sat_factors
@@ -116,14 +120,16 @@ def staleness_breakdown(
     n = int(mask.sum())
     if n == 0:
         return {}
-    sat = sat_settings(config.policy_loss)
-    d = (log_prob.detach() - old_log_prob).clamp(-20, 20)
-    if config.policy_loss.get("loss_mode", "vanilla") in ("gspo", "sat_gspo"):
-        seq = (d * mask).sum(-1) / mask.sum(-1).clamp(min=1)
-        score = seq.unsqueeze(-1).expand_as(d)  # the sequence score SAT-GSPO gates on (SPEC §3)
-    else:
-        score = d
-    gate = sat_factors(score, mask, sat.sat_alpha, sat.sat_kernel, sat.sat_kernel_exponent).gate
+    d = (log_prob.detach() - mu_log_prob).clamp(-20, 20)
+    if gate is None or gate.shape != d.shape:
+        sat = sat_settings(config.policy_loss)
+        if config.policy_loss.get("loss_mode", "vanilla") in ("gspo", "sat_gspo"):
+            seq = (d * mask).sum(-1) / mask.sum(-1).clamp(min=1)
+            score = seq.unsqueeze(-1).expand_as(d)  # the sequence score SAT-GSPO gates on (SPEC §3)
+        else:
+            score = d
+        gate = sat_factors(score, mask, sat.sat_alpha, sat.sat_kernel, sat.sat_kernel_exponent).gate
+    gate = gate.to(d.device)
     per_token = staleness.to(d.device).reshape(-1, 1).expand_as(d)
     metrics = {
         "actor/staleness_mean": float(staleness.float().mean()),
@@ -145,22 +151,26 @@ def sat_ppo_loss(config: Any, model_output: Any, data: Any, dp_group: Any = None
     from verl.workers.utils.losses import ppo_loss
     from verl.workers.utils.padding import no_padding_2_padding
 
+    from verl_sat.losses import loss_context
+
     staleness = data[STALENESS_FIELD] if STALENESS_FIELD in data.keys() else None
     if staleness is not None:
         staleness = _padded(data, STALENESS_FIELD).reshape(-1)
-    with staleness_context(staleness):
+    rollout = _padded(data, "rollout_log_probs") if "rollout_log_probs" in data.keys() else None
+    with staleness_context(staleness), loss_context(rollout) as ctx:
         loss, metrics = ppo_loss(config, model_output, data, dp_group)
     old = _padded(data, "old_log_probs")
     mask = _padded(data, "response_mask").bool()
     extra: dict[str, float] = {}
-    if "rollout_log_probs" in data.keys():
+    if rollout is not None:
         # 0 when the ratio's denominator is the rollout's mu (SPEC §4; bypass mode), > 0 when
         # it is a trainer-side recomputation (decoupled mode)
-        gap = (old - _padded(data, "rollout_log_probs")).abs().masked_fill(~mask, 0.0)
+        gap = (old - rollout).abs().masked_fill(~mask, 0.0)
         extra["actor/sat_old_vs_rollout_logprob_gap"] = float(gap.max()) if gap.numel() else 0.0
     if staleness is not None:
         log_prob = no_padding_2_padding(model_output["log_probs"], data)
-        extra.update(staleness_breakdown(staleness, log_prob, old, mask, config))
+        mu = rollout if rollout is not None and rollout.shape == old.shape else old
+        extra.update(staleness_breakdown(staleness, log_prob, mu, mask, config, ctx.gate))
     metrics.update(Metric.from_dict(extra, aggregation=AggregationType.MEAN))
     return loss, metrics
 

@@ -1,7 +1,7 @@
 """Dataclass configs of verl-sat, validated on construction.
 
 ``SATPolicyLossConfig`` extends verl's ``PolicyLossConfig`` (the node
-``actor_rollout_ref.actor.policy_loss``) with the four settings of the SAT rule (SPEC §2).
+``actor_rollout_ref.actor.policy_loss``) with the settings of the SAT rule (SPEC §2, §4).
 Select it from Hydra with::
 
     actor_rollout_ref.actor.policy_loss._target_=verl_sat.SATPolicyLossConfig
@@ -20,6 +20,9 @@ POLICY_LOSS_KEY = "actor_rollout_ref.actor.policy_loss"
 
 # The kernels psi(u; q) the rule may use; each has psi(0) = 1, psi(q) = 1/2, non-increasing.
 KERNELS = ("hill", "exponential")
+# The denominator of the SAT score d = log pi - log(.) (SPEC §4): the ratio's own old_log_prob
+# (mu itself in bypass mode, the default), or the rollout's mu while the ratio uses old_log_prob.
+SCORE_REFERENCES = ("old_log_prob", "rollout_log_probs")
 
 
 def _is_number(value: object) -> bool:
@@ -37,12 +40,17 @@ class SATPolicyLossConfig(PolicyLossConfig):
         sat_kernel: the kernel psi(u; q): ``"hill"`` = 1 / (1 + (u/q)^p) (paper) or
             ``"exponential"`` = 2^(-(u/q)^p).
         sat_kernel_exponent: the exponent p > 0 of the kernel. Paper: 2.
+        sat_score_against: the score's denominator (SPEC §4). ``"old_log_prob"`` (default): the
+            ratio's, which is the rollout's mu in bypass mode. ``"rollout_log_probs"``: the
+            decoupled option, the ratio against the trainer's recomputed old log-probs and the
+            score against mu (needs rollout log-probs in the batch and verl-sat's worker loss).
     """
 
     sat_enabled: bool = True
     sat_alpha: float = 0.9
     sat_kernel: str = "hill"
     sat_kernel_exponent: float = 2.0
+    sat_score_against: str = "old_log_prob"
 
     def __post_init__(self) -> None:
         parent_post_init = getattr(super(), "__post_init__", None)
@@ -58,9 +66,14 @@ class SATPolicyLossConfig(PolicyLossConfig):
             raise ValueError(
                 f"{POLICY_LOSS_KEY}.sat_kernel_exponent must be a number > 0, got {self.sat_kernel_exponent!r}"
             )
+        if self.sat_score_against not in SCORE_REFERENCES:
+            raise ValueError(
+                f"{POLICY_LOSS_KEY}.sat_score_against must be one of {list(SCORE_REFERENCES)}, "
+                f"got {self.sat_score_against!r}"
+            )
 
 
-SAT_FIELDS = ("sat_enabled", "sat_alpha", "sat_kernel", "sat_kernel_exponent")
+SAT_FIELDS = ("sat_enabled", "sat_alpha", "sat_kernel", "sat_kernel_exponent", "sat_score_against")
 
 
 def sat_settings(policy_loss: object) -> SATPolicyLossConfig:

@@ -3,19 +3,27 @@
 Both keep verl's ``PolicyLossFn`` signature and return verl's metrics plus ``actor/sat_*``
 diagnostics (SPEC §5). ``old_log_prob`` is the ratio's denominator: in the async recipes it is
 the rollout engine's log-prob mu (SPEC §4), so d = log pi_j - log mu carries the staleness.
+With ``sat_score_against=rollout_log_probs`` (SPEC §4's decoupled option) the ratio keeps
+``old_log_prob`` and the score d takes mu from ``LossContext``, which verl-sat's worker loss
+(``verl_sat.actor.sat_ppo_loss``) opens around each call; the context also carries the gate back
+out, so per-staleness metrics need no second quantile.
 
 Paper: https://arxiv.org/abs/2607.18722 (SAT); GSPO: https://arxiv.org/abs/2507.18071
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+from contextvars import ContextVar
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from verl.trainer.ppo import core_algos
 from verl.trainer.ppo.core_algos import agg_loss, compute_policy_loss_gspo, compute_policy_loss_vanilla
 
-from verl_sat.config import SATPolicyLossConfig, sat_settings
+from verl_sat.config import POLICY_LOSS_KEY, SATPolicyLossConfig, sat_settings
 from verl_sat.sat_rule import SATFactors, intercepted, sat_clip, sat_factors
 
 LOG_RATIO_CLAMP = 20.0  # verl's vanilla clamps log r to [-20, 20] before exp
@@ -98,10 +106,76 @@ def empty_batch(log_prob: torch.Tensor, eps_low: float, eps_high: float) -> tupl
 
 
 def _disabled(base_fn, args: tuple, mask: torch.Tensor) -> tuple[torch.Tensor, dict[str, Any]]:
-    """SAT off: the base loss itself (bit-identical), plus the mismatch metric."""
+    """SAT off: the base loss itself (bit-identical), plus the mismatch metric (against mu)."""
     old_log_prob, log_prob = args[0], args[1]
     loss, metrics = base_fn(*args)
-    return loss, {**metrics, **mismatch_metric(log_prob, old_log_prob, mask)}
+    return loss, {**metrics, **mismatch_metric(log_prob, mu_log_prob(old_log_prob), mask)}
+
+
+# ---------------------------------------------------------------------------------------------
+# the worker's context: mu in, the gate out (SPEC §4)
+# ---------------------------------------------------------------------------------------------
+@dataclass
+class LossContext:
+    """Opened by ``verl_sat.actor.sat_ppo_loss`` around one call of verl's ``ppo_loss``.
+
+    In: ``rollout_log_prob`` = log mu, padded like ``old_log_prob`` (None: not in the batch).
+    Out: the detached score ``d`` the gate used and the ``gate`` itself (SAT losses only).
+    """
+
+    rollout_log_prob: torch.Tensor | None = None
+    score: torch.Tensor | None = None
+    gate: torch.Tensor | None = None
+
+
+_CONTEXT: ContextVar[LossContext | None] = ContextVar("sat_loss_context", default=None)
+
+
+@contextlib.contextmanager
+def loss_context(rollout_log_prob: torch.Tensor | None = None) -> Iterator[LossContext]:
+    """Make ``rollout_log_prob`` visible to the SAT losses called inside; yields the context."""
+    ctx = LossContext(rollout_log_prob)
+    token = _CONTEXT.set(ctx)
+    try:
+        yield ctx
+    finally:
+        _CONTEXT.reset(token)
+
+
+def mu_log_prob(old_log_prob: torch.Tensor) -> torch.Tensor:
+    """log mu for dbar_pi: the rollout's log-probs when the worker passed them, else ``old_log_prob``
+    (which is mu in bypass mode, and the only log-prob a plain verl worker passes)."""
+    ctx = _CONTEXT.get()
+    mu = None if ctx is None else ctx.rollout_log_prob
+    if mu is None or mu.shape != old_log_prob.shape:
+        return old_log_prob
+    return mu.to(device=old_log_prob.device, dtype=old_log_prob.dtype)
+
+
+def score_reference(sat: SATPolicyLossConfig, old_log_prob: torch.Tensor) -> torch.Tensor:
+    """The score's denominator (SPEC §4): ``old_log_prob``, or mu for ``sat_score_against=rollout_log_probs``."""
+    if sat.sat_score_against == "old_log_prob":
+        return old_log_prob
+    ctx = _CONTEXT.get()
+    mu = None if ctx is None else ctx.rollout_log_prob
+    if mu is None:
+        raise ValueError(
+            f"{POLICY_LOSS_KEY}.sat_score_against=rollout_log_probs needs the rollout's log-probs in the batch "
+            "(actor_rollout_ref.rollout.calculate_log_probs=true) and verl-sat's worker loss (sat.actor=true)"
+        )
+    if mu.shape != old_log_prob.shape:
+        raise ValueError(
+            f"{POLICY_LOSS_KEY}.sat_score_against=rollout_log_probs: rollout log-probs of shape "
+            f"{tuple(mu.shape)} do not match old_log_prob {tuple(old_log_prob.shape)}"
+        )
+    return mu.to(device=old_log_prob.device, dtype=old_log_prob.dtype)
+
+
+def _record(score: torch.Tensor, f: SATFactors) -> None:
+    """Hand the gate back to the worker loss (per-staleness metrics), if it opened a context."""
+    ctx = _CONTEXT.get()
+    if ctx is not None:
+        ctx.score, ctx.gate = score, f.gate
 
 
 # ---------------------------------------------------------------------------------------------
@@ -119,6 +193,7 @@ def compute_policy_loss_sat(
     """SAT-GRPO / SAT-PPO: PPO's clipped surrogate with staleness-contracted radii (SPEC §2).
 
     d   = clamp(log pi - log mu, -20, 20),  r = exp(d)                     (SPEC §1)
+          (decoupled, SPEC §4: r = exp(clamp(log pi - log pi_old)), d against mu)
     eps_low~ = eps_low * c_minus(d),  eps_high~ = eps_high * c_plus(d)     (SPEC §2 steps 1-6)
     S   = min(r A, clip(r, 1 - eps_low~, 1 + eps_high~) A);  loss = -S     (SPEC §2 step 7)
     plus verl's dual clip for A < 0: loss = min(loss, -A * clip_ratio_c).
@@ -137,9 +212,12 @@ def compute_policy_loss_sat(
     if not clip_ratio_c > 1.0:
         raise ValueError(f"actor_rollout_ref.actor.clip_ratio_c must be > 1.0 (dual clip), got {clip_ratio_c}")
 
-    log_ratio = torch.clamp(log_prob - old_log_prob, min=-LOG_RATIO_CLAMP, max=LOG_RATIO_CLAMP)  # d_{b,t}
+    log_ratio = torch.clamp(log_prob - old_log_prob, min=-LOG_RATIO_CLAMP, max=LOG_RATIO_CLAMP)  # log r_{b,t}
     ratio = torch.exp(log_ratio)  # r_{b,t}
-    f = sat_factors(log_ratio, mask, sat.sat_alpha, sat.sat_kernel, sat.sat_kernel_exponent)
+    ref = score_reference(sat, old_log_prob)
+    d = log_ratio if ref is old_log_prob else torch.clamp(log_prob - ref, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)  # d_{b,t}
+    f = sat_factors(d, mask, sat.sat_alpha, sat.sat_kernel, sat.sat_kernel_exponent)
+    _record(d.detach(), f)
 
     pg_losses1 = -advantages * ratio  # -r A
     pg_losses2 = -advantages * sat_clip(ratio, f, eps_low, eps_high)  # -clip(r, 1 - eps_low~, 1 + eps_high~) A
@@ -154,7 +232,8 @@ def compute_policy_loss_sat(
     )
 
     m = response_mask.to(ratio.dtype)
-    abs_d = log_ratio.detach().abs()
+    mu = mu_log_prob(old_log_prob)
+    abs_d = (d if mu is ref else torch.clamp(log_prob - mu, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)).detach().abs()
     base = [
         masked_mean(torch.gt(pg_losses2, pg_losses1).to(m.dtype), m),  # actor/pg_clipfrac
         -(log_ratio.detach() * m).sum() / n_active,  # actor/ppo_kl
@@ -200,6 +279,7 @@ def compute_policy_loss_sat_gspo(
 
     log rho_b = (1/|y_b|) sum_t (log pi_{b,t} - log mu_{b,t})             (length-normalised)
     d_{b,t}   = log rho_b for every active t of response b                 (broadcast, then quantile)
+                (decoupled, SPEC §4: rho_b against pi_old, d_{b,t} from the same mean against mu)
     s_{b,t}   = sg[rho_b] * pi_{b,t} / sg[pi_{b,t}]                         (GSPO-token gradient form)
     S = min(s A, clip(s, 1 - eps_low~, 1 + eps_high~) A);  loss = -S
     """
@@ -221,8 +301,11 @@ def compute_policy_loss_sat_gspo(
     log_s = torch.clamp(log_s, max=GSPO_LOG_RATIO_MAX)
     s = torch.exp(log_s)
 
-    d = log_rho.detach().unsqueeze(-1).expand_as(log_prob)  # sequence score on every token
+    ref = score_reference(sat, old_log_prob)
+    log_rho_score = log_rho if ref is old_log_prob else torch.sum((log_prob - ref) * response_mask, -1) / seq_lengths
+    d = log_rho_score.detach().unsqueeze(-1).expand_as(log_prob)  # sequence score on every token
     f = sat_factors(d, mask, sat.sat_alpha, sat.sat_kernel, sat.sat_kernel_exponent)
+    _record(d, f)
 
     pg_losses1 = -advantages * s
     pg_losses2 = -advantages * sat_clip(s, f, eps_low, eps_high)
@@ -235,12 +318,14 @@ def compute_policy_loss_sat_gspo(
 
     m = response_mask.to(s.dtype)
     token_d = negative_approx_kl.detach()
+    mu = mu_log_prob(old_log_prob)
+    abs_d = (token_d if mu is old_log_prob else (log_prob - mu).detach()).abs()  # token-level |log pi - log mu|
     base = [
         masked_mean(torch.gt(pg_losses2, pg_losses1).to(m.dtype), m),  # actor/pg_clipfrac
         -(token_d * m).sum() / n_active,  # actor/ppo_kl
         torch.zeros((), dtype=m.dtype, device=m.device),  # actor/pg_clipfrac_lower (no dual clip in GSPO)
     ]
-    return pg_loss, _metrics(f, n_active, eps_low, eps_high, s, advantages, token_d.abs(), m, base)
+    return pg_loss, _metrics(f, n_active, eps_low, eps_high, s, advantages, abs_d, m, base)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,0 +1,141 @@
+"""SPEC §4's decoupled option: the ratio against old_log_prob, the SAT score against mu.
+
+``sat_score_against=rollout_log_probs`` takes mu from ``verl_sat.losses.LossContext``, which
+verl-sat's worker loss opens with the batch's rollout log-probs. The rule itself is unchanged,
+so SPEC §2's properties hold for whatever score d it is given; these tests check the wiring.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import actor_config, random_batch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from verl.trainer.ppo.core_algos import get_policy_loss_fn
+
+from verl_sat import SATPolicyLossConfig
+from verl_sat.losses import loss_context
+from verl_sat.sat_rule import sat_factors
+
+DECOUPLED = {"sat_score_against": "rollout_log_probs"}
+SOME = settings(max_examples=100, deadline=None)
+cases = st.fixed_dictionaries(
+    {
+        "seed": st.integers(0, 2**31 - 1),
+        "batch": st.integers(1, 5),
+        "length": st.integers(1, 10),
+        "scale": st.sampled_from([0.01, 0.1, 0.5]),
+        "name": st.sampled_from(["sat", "sat_gspo"]),
+    }
+)
+
+
+def run(name: str, b: dict, cfg, mu: torch.Tensor | None = None, context: bool = True):
+    """(loss, metrics, d loss/d log_prob, per-token loss, context) with ``mu`` in a LossContext."""
+    log_prob = b["log_prob"].clone().requires_grad_(True)
+    w = torch.ones_like(log_prob, requires_grad=True)
+    fn = get_policy_loss_fn(name)
+    args = (b["old_log_prob"], log_prob, b["advantages"], b["response_mask"], "token-sum", cfg, w)
+    if context:
+        with loss_context(mu) as ctx:
+            loss, metrics = fn(*args)
+    else:
+        ctx = None
+        loss, metrics = fn(*args)
+    loss.backward()
+    return loss.detach(), metrics, log_prob.grad, w.grad, ctx
+
+
+def test_config_names_the_key():
+    with pytest.raises(ValueError, match=r"policy_loss.sat_score_against must be one of .*got 'mu'"):
+        SATPolicyLossConfig(sat_score_against="mu")
+
+
+@pytest.mark.parametrize("name", ["sat", "sat_gspo"])
+def test_rollout_reference_without_mu_names_the_key(name):
+    b = random_batch(0, 2, 4)
+    with pytest.raises(ValueError, match="sat_score_against=rollout_log_probs needs the rollout's log-probs"):
+        run(name, b, actor_config(name, **DECOUPLED), context=False)
+    with pytest.raises(ValueError, match="do not match old_log_prob"):
+        run(name, b, actor_config(name, **DECOUPLED), mu=torch.zeros(2, 5))
+
+
+@SOME
+@given(case=cases)
+def test_mu_equal_to_old_is_bit_identical_to_the_default(case):
+    """In bypass mode mu is old_log_prob: the decoupled score changes nothing, bit for bit."""
+    name = case["name"]
+    b = random_batch(case["seed"], case["batch"], case["length"], case["scale"])
+    default = run(name, b, actor_config(name), context=False)
+    decoupled = run(name, b, actor_config(name, **DECOUPLED), mu=b["old_log_prob"].clone())
+    for a, c in zip(default[:4], decoupled[:4], strict=True):
+        if isinstance(a, dict):
+            assert a == pytest.approx(c, rel=1e-6)
+        elif a is None or c is None:  # the empty batch never touches the weights
+            assert a is None and c is None
+        else:
+            assert torch.equal(a, c)
+
+
+@SOME
+@given(case=cases, drift=st.sampled_from([0.05, 0.3, 1.0]))
+def test_pessimism_holds_with_the_score_against_mu(case, drift):
+    """S_SAT <= S_PPO per token whatever mu is: SAT only narrows the ratio's clip range."""
+    name = case["name"]
+    base = {"sat": "vanilla", "sat_gspo": "gspo"}[name]
+    b = random_batch(case["seed"], case["batch"], case["length"], case["scale"])
+    g = torch.Generator().manual_seed(case["seed"] % 2**31)
+    mu = b["old_log_prob"] - drift * torch.randn(b["old_log_prob"].shape, generator=g, dtype=torch.float64).float()
+    mask = b["response_mask"].bool()
+    if not mask.any():
+        return  # the empty batch: tests/test_losses_on_cpu.py
+    _, metrics, _, tok_sat, ctx = run(name, b, actor_config(name, **DECOUPLED), mu=mu)
+    _, _, _, tok_base, _ = run(base, b, actor_config(base), context=False)
+    assert torch.all(tok_sat[mask] >= tok_base[mask])
+    assert ctx.gate is not None and ctx.gate.shape == mask.shape
+    assert ctx.gate.sum().item() <= (1 - 0.9) * mask.sum().item() + 1e-9  # at most 1 - alpha gated
+
+
+def test_score_against_mu_while_the_ratio_stays_one():
+    """old_log_prob = log pi (r = 1): the default gates nothing; the decoupled score gates the stale token."""
+    d = torch.tensor([[0.0, 0.01, -0.01, 0.01, -0.01, 0.01, -0.01, 0.01, -0.01, 0.15]])
+    log_prob = torch.full_like(d, -1.0)
+    b = {"old_log_prob": log_prob.clone(), "log_prob": log_prob, "advantages": torch.ones_like(d)}
+    b["response_mask"] = torch.ones_like(d)
+    mu = log_prob - d  # d = log pi - log mu
+    _, default, _, _, _ = run("sat", b, actor_config("sat"), mu=mu)
+    loss, decoupled, grad, _, ctx = run("sat", b, actor_config("sat", **DECOUPLED), mu=mu)
+    _, _, base_grad, _, _ = run("vanilla", b, actor_config("vanilla"), context=False)
+    assert default["actor/sat_gate_rate"] == 0.0 and default["actor/sat_q"] == 0.0
+    assert decoupled["actor/sat_q"] == pytest.approx(0.01) and decoupled["actor/sat_gate_rate"] == pytest.approx(0.1)
+    assert ctx.gate.tolist() == [[False] * 9 + [True]]
+    # r = 1 lies inside every contracted range: the loss and its gradient are PPO's
+    assert torch.equal(grad, base_grad) and loss.item() == pytest.approx(-10.0)
+    # dbar_pi is against mu in both modes (the context carries it); the ratio's KL is 0
+    assert decoupled["actor/mismatch_abs_mean"] == pytest.approx(d.abs().mean().item(), rel=1e-5)
+    assert default["actor/mismatch_abs_mean"] == pytest.approx(d.abs().mean().item(), rel=1e-5)
+    assert decoupled["actor/ppo_kl"] == 0.0
+
+
+@pytest.mark.parametrize("name", ["sat", "sat_gspo"])
+def test_context_returns_the_loss_gate(name):
+    b = random_batch(5, 4, 12, scale=0.3)
+    mask = b["response_mask"].bool()
+    _, _, _, _, ctx = run(name, b, actor_config(name), mu=b["old_log_prob"])
+    d = (b["log_prob"] - b["old_log_prob"]).clamp(-20, 20)
+    if name == "sat_gspo":
+        m = b["response_mask"]
+        d = ((d * m).sum(-1) / m.sum(-1).clamp(min=1)).unsqueeze(-1).expand_as(d)
+    assert torch.equal(ctx.gate, sat_factors(d, mask, 0.9, "hill", 2.0).gate)
+
+
+def test_disabled_loss_reports_dbar_pi_against_mu():
+    b = random_batch(1, 3, 8, scale=0.2)
+    mu = b["old_log_prob"] - 0.5
+    loss, metrics, _, _, ctx = run("sat", b, actor_config("sat", sat_enabled=False), mu=mu)
+    base, _, _, _, _ = run("vanilla", b, actor_config("vanilla"), context=False)
+    mask = b["response_mask"].bool()
+    assert torch.equal(loss, base) and ctx.gate is None
+    expected = (b["log_prob"] - mu).abs()[mask].mean().item()
+    assert metrics["actor/mismatch_abs_mean"] == pytest.approx(expected, rel=1e-5)
