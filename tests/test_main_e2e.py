@@ -60,7 +60,10 @@ def check_sat_run(rows: list[dict], lag: int) -> None:
         assert 0 <= row["training/sat/staleness_steps/max"] <= lag
         # the loss's denominator is the rollout's log-prob mu, bit for bit (SPEC §4)
         assert row["actor/sat_old_vs_rollout_logprob_gap"] == 0.0
-        assert any(k.startswith("actor/sat_by_staleness/") for k in row)
+        # per-staleness rates over the whole step: the token shares partition the step's tokens
+        fracs = [v for k, v in row.items() if k.startswith("actor/sat_by_staleness/") and k.endswith("/token_frac")]
+        assert fracs and sum(fracs) == pytest.approx(1.0)
+        assert not any(k.endswith(("/tokens", "/gated", "/abs_d_sum")) for k in row)  # sums turned into rates
 
 
 def test_default_job_separate_async_lag2(assets, tmp_path):
@@ -98,8 +101,9 @@ def test_decoupled_score_against_rollout_log_probs(assets, tmp_path):
         # the score and dbar_pi are against mu: the noise shows there, not in the ratio's KL
         assert row["actor/mismatch_abs_mean"] > 0.02 > abs(row["actor/ppo_kl"])
         assert row["actor/sat_q"] > 0.02 and 0.0 < row["actor/sat_gate_rate"] <= 0.1 + 1e-6
-        # per-staleness metrics use the loss's own gate (sync: every sample has staleness 0)
-        assert row["actor/sat_by_staleness/0/gate_rate"] == pytest.approx(row["actor/sat_gate_rate"], rel=1e-6)
+        # sync: every sample has staleness 0; its gate rate is the loss's own gate, token-weighted
+        assert row["actor/sat_by_staleness/0/token_frac"] == 1.0
+        assert 0.0 < row["actor/sat_by_staleness/0/gate_rate"] <= 0.1 + 1e-6
 
 
 @pytest.fixture(scope="session")

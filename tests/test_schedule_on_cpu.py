@@ -10,7 +10,7 @@ import torch
 from conftest import actor_config, random_batch
 from omegaconf import OmegaConf
 
-from verl_sat.actor import staleness_breakdown, staleness_in_steps
+from verl_sat.actor import finish_staleness_breakdown, staleness_breakdown, staleness_in_steps
 from verl_sat.main import make_run_dir, progress_line, read_metrics, summary
 from verl_sat.schedule import SATRecipeConfig, apply_actor, apply_lag
 
@@ -98,12 +98,38 @@ def test_staleness_breakdown_partitions_the_tokens():
     for mode in ("sat", "sat_gspo"):
         cfg = actor_config(mode)
         m = staleness_breakdown(staleness, b["log_prob"], b["old_log_prob"], b["response_mask"], cfg)
+        assert m["actor/staleness_max"] == 2.0 and m["actor/staleness_mean"] == pytest.approx(1.0)
+        finish_staleness_breakdown(m)
         fracs = [m[f"actor/sat_by_staleness/{s}/token_frac"] for s in (0, 1, 2)]
         assert sum(fracs) == pytest.approx(1.0)
-        assert m["actor/staleness_max"] == 2.0 and m["actor/staleness_mean"] == pytest.approx(1.0)
+        assert not any(k.endswith(("/tokens", "/gated", "/abs_d_sum")) for k in m)  # sums replaced by rates
         # the per-staleness gate rates average back to the micro-batch's gate rate (<= 1 - alpha)
         overall = sum(f * m[f"actor/sat_by_staleness/{s}/gate_rate"] for s, f in zip((0, 1, 2), fracs, strict=True))
         assert overall <= 0.1 + 1e-6
+
+
+def test_staleness_breakdown_is_exact_over_micro_batches_of_different_staleness():
+    """Micro-batches with different staleness sets: same keys (verl's DP gather), exact step rates."""
+    cfg = actor_config("sat")
+    parts = [(random_batch(1, 4, 8, scale=0.3), torch.tensor([0.0, 0.0, 0.0, 1.0])),
+             (random_batch(2, 4, 8, scale=0.3), torch.tensor([3.0, 3.0, 1.0, 40.0]))]  # fmt: skip
+    outs = []
+    for b, staleness in parts:
+        b["response_mask"][:, 0] = 1
+        outs.append(staleness_breakdown(staleness, b["log_prob"], b["old_log_prob"], b["response_mask"], cfg))
+    assert outs[0].keys() == outs[1].keys()  # fixed buckets: every rank and micro-batch reports every key
+    # verl: SUM metrics add up over micro-batches; then mean over 2 DP ranks (here: both ranks alike)
+    step = {k: (outs[0][k] + outs[1][k]) / 2 for k in outs[0] if k.startswith("actor/sat_by_staleness/")}
+    finish_staleness_breakdown(step)
+    assert sum(v for k, v in step.items() if k.endswith("/token_frac")) == pytest.approx(1.0)
+    assert {k.split("/")[2] for k in step} == {"0", "1", "3", "32"}  # 40 lands in the last bucket (>= 32)
+    # exact token-weighted mismatch at staleness 1: one sample from each micro-batch
+    d1 = [
+        (b["log_prob"] - b["old_log_prob"]).abs()[i][b["response_mask"][i].bool()]
+        for (b, _), i in zip(parts, (3, 2), strict=True)
+    ]
+    expected = torch.cat(d1).mean().item()
+    assert step["actor/sat_by_staleness/1/mismatch_abs_mean"] == pytest.approx(expected, rel=1e-6)
 
 
 def test_run_dir_refuses_to_overwrite_a_run(tmp_path):

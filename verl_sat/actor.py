@@ -24,7 +24,10 @@ So verl-sat adds three small pieces, all through public seams:
 3. ``sat_ppo_loss``: calls verl's own ``ppo_loss`` with the sample staleness published through
    ``current_staleness()``, then adds the SAT diagnostics broken down by staleness:
    ``actor/sat_by_staleness/<s>/{token_frac, gate_rate, mismatch_abs_mean}``, and
-   ``actor/staleness_{mean,max}``; plus ``actor/sat_old_vs_rollout_logprob_gap``, the largest
+   ``actor/staleness_{mean,max}``. The loss emits token sums for a fixed set of staleness
+   buckets (the same keys in every micro-batch, which verl's data-parallel metric gather
+   requires); the trainer turns them into exact token-weighted rates for the whole step
+   (``finish_staleness_breakdown``); plus ``actor/sat_old_vs_rollout_logprob_gap``, the largest
    |old_log_prob - rollout_log_prob| over active tokens (0: the ratio is against mu, SPEC §4).
 
 The Megatron engine uses the same worker classes (``ActorRolloutRefWorker`` /
@@ -45,6 +48,9 @@ import numpy as np
 import torch
 
 STALENESS_FIELD = "sat_staleness"
+STALENESS_BUCKETS = 33  # per-staleness metrics for s = 0..31; bucket 32 holds s >= 32
+BY_STALENESS = "actor/sat_by_staleness"
+SUM_FIELDS = ("tokens", "gated", "abs_d_sum")  # per bucket, summed over micro-batches
 MODE_PREFIX = "sat_"
 BASE_MODES = ("sync", "colocate_async", "separate_async")
 
@@ -104,21 +110,21 @@ def staleness_breakdown(
     config: Any,
     gate: torch.Tensor | None = None,
 ) -> dict[str, float]:
-    """SAT diagnostics per staleness value over one micro-batch (SPEC §5, ours).
+    """Per-staleness token sums of one micro-batch (SPEC §5, ours), for every bucket s:
 
-    token_frac        = share of the active tokens whose sample has staleness s
-    gate_rate         = mean over those tokens of 1{q > 0, |d| > q}, q from the whole micro-batch
-    mismatch_abs_mean = mean over those tokens of |log pi - log mu|
+    tokens_s    = #{active tokens whose sample has staleness s}
+    gated_s     = #{those tokens with q > 0, |d| > q}           (q from the whole micro-batch)
+    abs_d_sum_s = sum over those tokens of |log pi - log mu|
 
-    ``gate`` is the SAT loss's own (``LossContext``); without it (SAT off, or another loss) the
-    gate SAT would apply is computed here from d = log pi - log mu.
+    plus ``actor/staleness_mean`` and ``actor/staleness_max``. ``gate`` is the SAT loss's own
+    (``LossContext``); without it (SAT off, or another loss) the gate SAT would apply is
+    computed here. ``finish_staleness_breakdown`` turns the step's sums into rates.
     """
     from verl_sat.config import sat_settings
     from verl_sat.sat_rule import sat_factors
 
     mask = response_mask.bool()
-    n = int(mask.sum())
-    if n == 0:
+    if int(mask.sum()) == 0:
         return {}
     d = (log_prob.detach() - mu_log_prob).clamp(-20, 20)
     if gate is None or gate.shape != d.shape:
@@ -129,20 +135,56 @@ def staleness_breakdown(
         else:
             score = d
         gate = sat_factors(score, mask, sat.sat_alpha, sat.sat_kernel, sat.sat_kernel_exponent).gate
-    gate = gate.to(d.device)
-    per_token = staleness.to(d.device).reshape(-1, 1).expand_as(d)
+    bucket = staleness.to(d.device).round().long().clamp(0, STALENESS_BUCKETS - 1).reshape(-1, 1).expand_as(d)
+    b = bucket[mask]
+    sums = {
+        "tokens": torch.bincount(b, minlength=STALENESS_BUCKETS),
+        "gated": torch.bincount(bucket[mask & gate.to(d.device)], minlength=STALENESS_BUCKETS),
+        "abs_d_sum": torch.bincount(b, weights=d.abs()[mask].double(), minlength=STALENESS_BUCKETS),
+    }
     metrics = {
         "actor/staleness_mean": float(staleness.float().mean()),
         "actor/staleness_max": float(staleness.max()),
     }
-    for s in torch.unique(per_token[mask]).tolist():
-        sel = mask & (per_token == s)
-        k = int(sel.sum())
-        prefix = f"actor/sat_by_staleness/{int(s)}"
-        metrics[f"{prefix}/token_frac"] = k / n
-        metrics[f"{prefix}/gate_rate"] = float(gate[sel].float().mean())
-        metrics[f"{prefix}/mismatch_abs_mean"] = float(d[sel].abs().mean())
+    for field_name, counts in sums.items():
+        for s, value in enumerate(counts.tolist()):
+            metrics[f"{BY_STALENESS}/{s}/{field_name}"] = float(value)
     return metrics
+
+
+def breakdown_aggregation(key: str) -> Any:
+    """How verl aggregates a breakdown metric over micro-batches: sums, max, or mean."""
+    from verl.utils.metric import AggregationType
+
+    if key.startswith(BY_STALENESS) and key.rsplit("/", 1)[-1] in SUM_FIELDS:
+        return AggregationType.SUM
+    return AggregationType.MAX if key.endswith("_max") else AggregationType.MEAN
+
+
+def finish_staleness_breakdown(metrics: dict[str, Any]) -> None:
+    """Replace the step's per-bucket sums by rates, in place, for the buckets that hold tokens.
+
+    token_frac_s        = tokens_s / sum_s' tokens_s'
+    gate_rate_s         = gated_s / tokens_s
+    mismatch_abs_mean_s = abs_d_sum_s / tokens_s
+
+    verl reduces a sum metric as a mean over data-parallel ranks and mini-batches, which scales
+    every bucket alike: the ratios are exact token-weighted rates over the whole step.
+    """
+    sums: dict[int, dict[str, float]] = {}
+    for key in [k for k in metrics if k.startswith(BY_STALENESS + "/")]:
+        _, s, field_name = key.rsplit("/", 2)
+        if field_name in SUM_FIELDS and s.isdigit():
+            sums.setdefault(int(s), {})[field_name] = float(metrics.pop(key))
+    total = sum(v.get("tokens", 0.0) for v in sums.values())
+    for s, v in sorted(sums.items()):
+        tokens = v.get("tokens", 0.0)
+        if tokens <= 0 or total <= 0:
+            continue
+        prefix = f"{BY_STALENESS}/{s}"
+        metrics[f"{prefix}/token_frac"] = tokens / total
+        metrics[f"{prefix}/gate_rate"] = v.get("gated", 0.0) / tokens
+        metrics[f"{prefix}/mismatch_abs_mean"] = v.get("abs_d_sum", 0.0) / tokens
 
 
 def sat_ppo_loss(config: Any, model_output: Any, data: Any, dp_group: Any = None) -> tuple[torch.Tensor, dict]:
@@ -170,7 +212,8 @@ def sat_ppo_loss(config: Any, model_output: Any, data: Any, dp_group: Any = None
     if staleness is not None:
         log_prob = no_padding_2_padding(model_output["log_probs"], data)
         mu = rollout if rollout is not None and rollout.shape == old.shape else old
-        extra.update(staleness_breakdown(staleness, log_prob, mu, mask, config, ctx.gate))
+        breakdown = staleness_breakdown(staleness, log_prob, mu, mask, config, ctx.gate)
+        metrics.update({k: Metric(breakdown_aggregation(k), v) for k, v in breakdown.items()})
     metrics.update(Metric.from_dict(extra, aggregation=AggregationType.MEAN))
     return loss, metrics
 
@@ -266,6 +309,7 @@ class SATTrainerMixin:
     # checkpoint in the next step's on_step_end, right before verl's own weight sync.
     def _compute_metrics(self, batch: Any, metrics: dict, timing_raw: dict, global_steps: int, epoch: int) -> None:
         super()._compute_metrics(batch, metrics, timing_raw, global_steps=global_steps, epoch=epoch)  # type: ignore[misc]
+        finish_staleness_breakdown(metrics)
         self._sentinel_observe(int(global_steps), metrics)
 
     def on_step_end(self) -> None:
