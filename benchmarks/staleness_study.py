@@ -221,6 +221,20 @@ class RunStats:
     gate_rate: float | None = None
     sentinel_alarms: int | None = None
     sentinel_scored: int | None = None
+    dbar_pi_by_staleness: dict[int, float] = field(default_factory=dict)
+
+
+BY_STALENESS_KEY = re.compile(r"^actor/sat_by_staleness/(\d+)/mismatch_abs_mean$")
+
+
+def staleness_profile(run: Run) -> dict[int, float]:
+    """{s: dbar_pi among the tokens of staleness s}, averaged over the run's logged steps."""
+    profile = {}
+    for key, series in run.metrics.items():
+        match = BY_STALENESS_KEY.match(key)
+        if match and series:
+            profile[int(match.group(1))] = statistics.fmean(series.values())
+    return dict(sorted(profile.items()))
 
 
 def cpu_sentinel_config() -> SentinelConfig:
@@ -287,6 +301,7 @@ def run_stats(
         gate_rate=_mean(gate),
         sentinel_alarms=alarms,
         sentinel_scored=scored,
+        dbar_pi_by_staleness=staleness_profile(run),
     )
 
 
@@ -322,6 +337,7 @@ class CellSummary:
     values: dict[str, tuple[float, float] | None] = field(default_factory=dict)
     collapses: tuple[int, int] = (0, 0)
     sentinel: tuple[int, int] = (0, 0)  # (alarms, scored steps) over the cell's runs
+    by_staleness: dict[int, tuple[float, float]] = field(default_factory=dict)  # s -> dbar_pi mean, std
 
 
 STAT_COLUMNS = ("final_reward", "best_reward", "dbar_pi", "gate_rate")
@@ -355,7 +371,12 @@ def summarize(stats: Sequence[RunStats]) -> list[CellSummary]:
         values = {col: mean_std([getattr(s, col) for s in ok if getattr(s, col) is not None]) for col in STAT_COLUMNS}
         judged = [s.collapsed for s in ok if s.collapsed is not None]
         sentinel = (sum(s.sentinel_alarms or 0 for s in ok), sum(s.sentinel_scored or 0 for s in ok))
-        out.append(CellSummary(method, lag, len(ok), statuses, values, (sum(judged), len(judged)), sentinel))
+        levels = sorted({k for s in ok for k in s.dbar_pi_by_staleness})
+        by_staleness = {
+            k: mean_std([s.dbar_pi_by_staleness[k] for s in ok if k in s.dbar_pi_by_staleness]) for k in levels
+        }
+        cells = (sum(judged), len(judged))
+        out.append(CellSummary(method, lag, len(ok), statuses, values, cells, sentinel, by_staleness))
     return out
 
 
@@ -389,6 +410,7 @@ def format_study(cells: Sequence[CellSummary], title: str = "Staleness study") -
             statuses,
         ]
         lines.append("| " + " | ".join(cells_text) + " |")
+    lines += format_staleness_table(cells)
     lines += [
         "",
         f"final reward: mean `critic/score/mean` over the last {FINAL_FRAC:.0%} of logged steps; best: its maximum.",
@@ -399,6 +421,26 @@ def format_study(cells: Sequence[CellSummary], title: str = "Staleness study") -
         "Cells: mean ± std over seeds (std 0 with one seed). runs: statuses (unavailable = R3 failed).",
     ]
     return "\n".join(lines) + "\n"
+
+
+def format_staleness_table(cells: Sequence[CellSummary]) -> list[str]:
+    """dbar_pi by per-sample staleness (optimizer steps), one row per (method, lag > 1)."""
+    rows = [c for c in cells if c.lag > 1 and c.by_staleness]
+    if not rows:
+        return []
+    levels = sorted({k for c in rows for k in c.by_staleness})
+    lines = [
+        "",
+        "dbar_pi by per-sample staleness s (optimizer steps between the generating and the trained weights), "
+        "mean over each run's steps, then mean ± std over seeds:",
+        "",
+        "| method | lag | " + " | ".join(f"s={k}" for k in levels) + " |",
+        "|---|---|" + "---|" * len(levels),
+    ]
+    for c in rows:
+        values = [_cell(c.by_staleness.get(k), ".3f") for k in levels]
+        lines.append(f"| {c.method} | {c.lag} | " + " | ".join(values) + " |")
+    return lines
 
 
 # ---------------------------------------------------------------------------------------------
@@ -449,8 +491,35 @@ def plot_study(runs: Sequence[Run], key_fn: Any, ylabel: str, title: str, path: 
     return save_panels(fig, axes, ylabel, title, path)
 
 
+def plot_staleness_profile(cells: Sequence[CellSummary], path: Path) -> Path | None:
+    """dbar_pi against per-sample staleness, one panel per lag > 1, one line per method (±1 std)."""
+    from verl_sat.report import _colors, _pyplot, finish_lag_panel, save_panels
+
+    rows = [c for c in cells if c.lag > 1 and c.by_staleness]
+    if not rows:
+        return None
+    plt = _pyplot()
+    lags = sorted({c.lag for c in rows})
+    colors = _colors([c.method for c in rows])
+    fig, axes = plt.subplots(1, len(lags), figsize=(5.5 * len(lags), 4), squeeze=False, sharey=True)
+    for ax, lag in zip(axes[0], lags, strict=True):
+        for c in sorted((c for c in rows if c.lag == lag), key=lambda c: method_order(c.method)):
+            levels = sorted(c.by_staleness)
+            mean = [c.by_staleness[k][0] for k in levels]
+            std = [c.by_staleness[k][1] for k in levels]
+            ax.plot(levels, mean, marker="o", ms=3, color=colors[c.method], label=f"{c.method} (n={c.seeds})", lw=1.4)
+            low = [m - d for m, d in zip(mean, std, strict=True)]
+            ax.fill_between(
+                levels, low, [m + d for m, d in zip(mean, std, strict=True)], color=colors[c.method], alpha=0.15
+            )
+        finish_lag_panel(ax, lag, True, "staleness s (optimizer steps)")
+    return save_panels(
+        fig, axes, "dbar_pi among tokens of staleness s", "Mismatch by staleness (seed mean ± std)", path
+    )
+
+
 def write_summary(out: Path, title: str = "Staleness study") -> list[CellSummary]:
-    """study.md, study.json, reward.png and dbar_pi.png from the run directories under ``out``."""
+    """study.md, study.json, reward.png, dbar_pi.png and (lag > 1) dbar_pi_by_staleness.png from ``out``."""
     runs, stats = load_study(out)
     cells = summarize(stats)
     text = format_study(cells, title)
@@ -463,6 +532,7 @@ def write_summary(out: Path, title: str = "Staleness study") -> list[CellSummary
         runs, lambda r: r.series(DBAR_PI_KEY), "dbar_pi = mean |log pi/mu|", "Mismatch (seed mean ± std)",
         out / "dbar_pi.png",
     )  # fmt: skip
+    plot_staleness_profile(cells, out / "dbar_pi_by_staleness.png")
     print(text, flush=True)
     return cells
 

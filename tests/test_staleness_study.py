@@ -209,3 +209,23 @@ def test_sentinel_replay_counts_a_collapse_signature(study, tmp_path):
     runs, stats = study.load_study(tmp_path)
     assert (stats[0].sentinel_alarms, stats[0].sentinel_scored, stats[0].collapsed) == (1, 10, True)
     assert study.replay_sentinel(runs[0], study.SentinelConfig(enabled=True)) == (0, 0)  # warm-up 20 > 16 steps
+
+
+def test_dbar_pi_by_staleness_table_and_plot(study, tmp_path):
+    for seed, scale in ((1, 1.0), (2, 3.0)):
+        write_run(tmp_path, "gspo", 8, seed, [0.2, 0.3], dbar=0.01, gate=None)
+        metrics = tmp_path / "runs" / f"gspo-lag8-seed{seed}" / "metrics.jsonl"
+        rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+        for row in rows:  # dbar_pi grows with staleness: 0.01 * (s + 1) * scale, the same on both steps
+            row["data"].update(
+                {f"actor/sat_by_staleness/{s}/mismatch_abs_mean": 0.01 * (s + 1) * scale for s in range(8)}
+            )
+        metrics.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cells = study.write_summary(tmp_path)
+    (cell,) = cells
+    assert sorted(cell.by_staleness) == list(range(8))
+    assert cell.by_staleness[7][0] == pytest.approx(0.08 * 2)  # mean of 0.08 and 0.24
+    text = (tmp_path / "study.md").read_text()
+    assert "| method | lag | s=0 | s=1 |" in text and "| gspo | 8 | 0.020 ± 0.014 |" in text
+    png = tmp_path / "dbar_pi_by_staleness.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 5000
