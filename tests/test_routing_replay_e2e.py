@@ -14,7 +14,7 @@ from test_main_e2e import assets, run_main  # noqa: F401  (the session fixture a
 
 pytestmark = pytest.mark.e2e
 
-NOISE = "++actor_rollout_ref.rollout.engine_kwargs.hf.router_noise_std=1.0"
+NOISE = "actor_rollout_ref.rollout.engine_kwargs.hf.router_noise_std=1.0"  # declared in sat_gspo_cpu.yaml
 SYNC = ("trainer.v1.trainer_mode=sync", "sat.lag=1")
 
 
@@ -30,3 +30,20 @@ def test_r3_lowers_the_rollout_trainer_mismatch(assets, tmp_path):  # noqa: F811
     print(f"dbar_pi without replay {plain_mismatch:.4f}, with R3 {r3_mismatch:.4f}")
     assert r3_mismatch < 0.5 * plain_mismatch
     assert all(r["actor/sat_old_vs_rollout_logprob_gap"] == 0.0 for r in r3)  # ratio still against mu
+    assert "[verl-sat] routing replay R3: replaying recorded routes" in stdout
+
+
+def test_r2_records_in_compute_log_prob_and_replays_in_the_update(assets, tmp_path):  # noqa: F811
+    """R2 (decoupled mode): the trainer's own routes of compute_log_prob, replayed in update_actor.
+
+    The engine raises if an update micro-batch arrives without routes or a MoE layer is not
+    replayed, so a finished run with both log lines is the end-to-end evidence. R2 does not touch
+    the rollout's routing, so dbar_pi against mu stays at the routing-noise level.
+    """
+    rows, stdout = run_main(
+        assets, tmp_path / "r2", NOISE, *SYNC, "sat.routing_replay=R2", "algorithm.rollout_correction.bypass_mode=false"
+    )
+    assert [r["step"] for r in rows] == [1, 2]
+    assert "[verl-sat] routing replay R2: recording routes (forward only)" in stdout
+    assert "[verl-sat] routing replay R2: replaying recorded routes" in stdout
+    assert all(r["actor/sat_old_vs_rollout_logprob_gap"] > 0.0 for r in rows)  # the ratio is against the recomputation

@@ -351,6 +351,7 @@ def routing_replay_engine() -> type:
         _rr_action = "off"
         _rr_hooks: RouterHooks | None = None
         _rr_mask: torch.Tensor | None = None
+        _rr_announced: frozenset[str] = frozenset()  # actions already reported in the log
 
         def _replay_mode(self) -> str:
             node = getattr(self.engine_config, "router_replay", None)
@@ -361,6 +362,10 @@ def routing_replay_engine() -> type:
             mode = self._replay_mode()
             active = mode != "disabled" and bool(tu.get_non_tensor_data(data, "enable_routing_replay", default=False))
             self._rr_action = ("record" if mode == "R2" and forward_only else "replay") if active else "off"
+            if self._rr_action != "off" and self._rr_action not in self._rr_announced:  # once per action
+                self._rr_announced = self._rr_announced | {self._rr_action}
+                what = "recording routes (forward only)" if self._rr_action == "record" else "replaying recorded routes"
+                print(f"[verl-sat] routing replay {mode}: {what}", flush=True)
             try:
                 return super().forward_backward_batch(data, loss_function, forward_only)
             finally:
