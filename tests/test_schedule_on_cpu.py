@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -165,3 +166,38 @@ def test_progress_and_summary_read_verls_file_logger(tmp_path):
     assert "step    4" in line and "reward 0.400" in line and "gate 0.050" in line and "staleness<= 2" in line
     text = summary(flat, 10.0)
     assert "4 steps" in text and "0.100 -> last-quarter 0.400" in text and "max staleness 2" in text
+
+
+def test_concurrent_jobs_build_the_default_assets_once(tmp_path, monkeypatch):
+    """Two jobs starting on an empty cache (the study's --jobs 2): one builds, the other waits."""
+    import threading
+    import time
+
+    from verl_sat import main
+    from verl_sat.default import warmup
+
+    calls = []
+
+    def fake_build(out):  # writes the files a real build writes, slowly
+        calls.append(Path(out))
+        time.sleep(0.3)
+        for name in ("model/config.json", "data/train.parquet", "data/val.parquet"):
+            (Path(out) / name).parent.mkdir(parents=True, exist_ok=True)
+            (Path(out) / name).write_text("x")
+        return {"sampled_accuracy": 0.0}
+
+    monkeypatch.setattr(warmup, "build", fake_build)
+    assets = tmp_path / "cache" / "tiny_moe_v1"
+    threads = [threading.Thread(target=main.build_assets_once, args=(assets,)) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(calls) == 1 and calls[0] != assets  # built once, in a temporary directory
+    assert main.assets_complete(assets) and not list(assets.parent.glob(".tiny_moe_v1.building-*"))
+    # an incomplete directory the user pointed at is completed in place, not replaced
+    partial = tmp_path / "mine"
+    (partial / "model").mkdir(parents=True)
+    (partial / "notes.txt").write_text("keep me")
+    main.build_assets_once(partial)
+    assert calls[-1] == partial and (partial / "notes.txt").read_text() == "keep me"

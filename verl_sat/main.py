@@ -16,8 +16,10 @@ What it adds around verl's ``run_ppo``:
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
+import shutil
 import threading
 import time
 from pathlib import Path
@@ -47,16 +49,44 @@ def default_assets_dir() -> Path:
     return Path(root) / "verl-sat" / "tiny_moe_v1"
 
 
+def assets_complete(assets: Path) -> bool:
+    """The model and both data splits are there."""
+    return all((assets / p).exists() for p in ("model/config.json", "data/train.parquet", "data/val.parquet"))
+
+
+def build_assets_once(assets: Path) -> None:
+    """Build the default's assets unless complete (~1 min); safe when several jobs start at once.
+
+    Builders queue on a lock file beside ``assets`` and re-check after taking it, so one builds
+    and the others reuse its result. A fresh build goes to a temporary directory renamed into
+    place, so no job ever sees half-written weights. An existing, incomplete directory (one the
+    user pointed ``sat.assets_dir`` at) is completed in place, never deleted.
+    """
+    from verl_sat.default import warmup
+
+    assets.parent.mkdir(parents=True, exist_ok=True)
+    with open(assets.parent / f".{assets.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        if assets_complete(assets):
+            return
+        print(f"[verl-sat] building the embedded tiny MoE and task in {assets} (once, ~1 min)", flush=True)
+        for stale in assets.parent.glob(f".{assets.name}.building-*"):  # a crashed build; we hold the lock
+            shutil.rmtree(stale, ignore_errors=True)
+        target = assets if assets.exists() else assets.parent / f".{assets.name}.building-{os.getpid()}"
+        info = warmup.build(target)
+        if target != assets:
+            os.replace(target, assets)
+        print(f"[verl-sat] warm-up done: sampled accuracy {info['sampled_accuracy']:.2f}", flush=True)
+
+
 def ensure_default_assets(cfg: DictConfig, sat: SATRecipeConfig) -> None:
     """Build (once, ~1 min) and point the config at the embedded tiny model, data and reward."""
-    from verl_sat.default import reward, warmup
+    from verl_sat.default import reward
 
     assets = Path(sat.assets_dir) if sat.assets_dir else default_assets_dir()
     model_dir, data_dir = assets / "model", assets / "data"
-    if not (model_dir / "config.json").exists() or not (data_dir / "train.parquet").exists():
-        print(f"[verl-sat] building the embedded tiny MoE and task in {assets} (once, ~1 min)", flush=True)
-        info = warmup.build(assets)
-        print(f"[verl-sat] warm-up done: sampled accuracy {info['sampled_accuracy']:.2f}", flush=True)
+    if not assets_complete(assets):
+        build_assets_once(assets)
     with open_dict(cfg):
         cfg.actor_rollout_ref.model.path = str(model_dir)
         cfg.data.train_files = str(data_dir / "train.parquet")
