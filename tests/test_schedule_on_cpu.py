@@ -103,7 +103,7 @@ def test_staleness_breakdown_partitions_the_tokens():
         finish_staleness_breakdown(m)
         fracs = [m[f"actor/sat_by_staleness/{s}/token_frac"] for s in (0, 1, 2)]
         assert sum(fracs) == pytest.approx(1.0)
-        assert not any(k.endswith(("/tokens", "/gated", "/abs_d_sum")) for k in m)  # sums replaced by rates
+        assert not any(k.endswith(("/tokens", "/gated", "/abs_d")) for k in m)  # sums replaced by rates
         # the per-staleness gate rates average back to the micro-batch's gate rate (<= 1 - alpha)
         overall = sum(f * m[f"actor/sat_by_staleness/{s}/gate_rate"] for s, f in zip((0, 1, 2), fracs, strict=True))
         assert overall <= 0.1 + 1e-6
@@ -201,3 +201,30 @@ def test_concurrent_jobs_build_the_default_assets_once(tmp_path, monkeypatch):
     (partial / "notes.txt").write_text("keep me")
     main.build_assets_once(partial)
     assert calls[-1] == partial and (partial / "notes.txt").read_text() == "keep me"
+
+
+def test_breakdown_sums_are_reduced_alike_by_verls_step_aggregator():
+    """verl's v1 MetricsAggregator picks a reduction by metric name ("sum" keys are summed over a
+    step's iterations, others averaged): the three sums must get the same one, or their ratios
+    break (an "abs_d_sum" name once made mismatch_abs_mean 8x too large at lag 8)."""
+    from verl.trainer.ppo.v1.utils import MetricsAggregator
+
+    aggregator = MetricsAggregator()
+    b = random_batch(3, 4, 8, scale=0.3)
+    b["response_mask"][:, 0] = 1
+    keys = staleness_breakdown(
+        torch.zeros(4), b["log_prob"], b["old_log_prob"], b["response_mask"], actor_config("sat")
+    )
+    kinds = {aggregator._get_aggregation_type(k) for k in keys if k.startswith("actor/sat_by_staleness/")}
+    assert len(kinds) == 1, kinds
+    # end to end through the aggregator: 8 iterations, one staleness each, as at lag 8
+    for s in range(8):
+        staleness = torch.full((4,), float(s))
+        m = staleness_breakdown(staleness, b["log_prob"], b["old_log_prob"], b["response_mask"], actor_config("sat"))
+        aggregator.add_step_metrics(m, sample_count=4)
+    step = aggregator.get_aggregated_metrics()
+    finish_staleness_breakdown(step)
+    expected = (b["log_prob"] - b["old_log_prob"]).abs()[b["response_mask"].bool()].mean().item()
+    for s in range(8):
+        assert step[f"actor/sat_by_staleness/{s}/mismatch_abs_mean"] == pytest.approx(expected, rel=1e-6)
+        assert step[f"actor/sat_by_staleness/{s}/token_frac"] == pytest.approx(1 / 8)

@@ -50,7 +50,10 @@ import torch
 STALENESS_FIELD = "sat_staleness"
 STALENESS_BUCKETS = 33  # per-staleness metrics for s = 0..31; bucket 32 holds s >= 32
 BY_STALENESS = "actor/sat_by_staleness"
-SUM_FIELDS = ("tokens", "gated", "abs_d_sum")  # per bucket, summed over micro-batches
+# per bucket, summed over micro-batches. No "sum", "total", "max", "min" or "mean" in the names:
+# verl's v1 MetricsAggregator picks its reduction over a step's iterations by name (a "sum" key is
+# summed, the others averaged), and the three must be reduced alike for their ratios to hold.
+SUM_FIELDS = ("tokens", "gated", "abs_d")
 MODE_PREFIX = "sat_"
 BASE_MODES = ("sync", "colocate_async", "separate_async")
 
@@ -112,9 +115,9 @@ def staleness_breakdown(
 ) -> dict[str, float]:
     """Per-staleness token sums of one micro-batch (SPEC §5, ours), for every bucket s:
 
-    tokens_s    = #{active tokens whose sample has staleness s}
-    gated_s     = #{those tokens with q > 0, |d| > q}           (q from the whole micro-batch)
-    abs_d_sum_s = sum over those tokens of |log pi - log mu|
+    tokens_s = #{active tokens whose sample has staleness s}
+    gated_s  = #{those tokens with q > 0, |d| > q}           (q from the whole micro-batch)
+    abs_d_s  = sum over those tokens of |log pi - log mu|
 
     plus ``actor/staleness_mean`` and ``actor/staleness_max``. ``gate`` is the SAT loss's own
     (``LossContext``); without it (SAT off, or another loss) the gate SAT would apply is
@@ -140,7 +143,7 @@ def staleness_breakdown(
     sums = {
         "tokens": torch.bincount(b, minlength=STALENESS_BUCKETS),
         "gated": torch.bincount(bucket[mask & gate.to(d.device)], minlength=STALENESS_BUCKETS),
-        "abs_d_sum": torch.bincount(b, weights=d.abs()[mask].double(), minlength=STALENESS_BUCKETS),
+        "abs_d": torch.bincount(b, weights=d.abs()[mask].double(), minlength=STALENESS_BUCKETS),
     }
     metrics = {
         "actor/staleness_mean": float(staleness.float().mean()),
@@ -166,10 +169,11 @@ def finish_staleness_breakdown(metrics: dict[str, Any]) -> None:
 
     token_frac_s        = tokens_s / sum_s' tokens_s'
     gate_rate_s         = gated_s / tokens_s
-    mismatch_abs_mean_s = abs_d_sum_s / tokens_s
+    mismatch_abs_mean_s = abs_d_s / tokens_s
 
-    verl reduces a sum metric as a mean over data-parallel ranks and mini-batches, which scales
-    every bucket alike: the ratios are exact token-weighted rates over the whole step.
+    verl reduces these sums alike over data-parallel ranks (mean), micro-batches (sum) and a
+    step's mini-batches or iterations (mean, or a sample-weighted mean), which scales every
+    bucket by the same factor: the ratios are exact token-weighted rates over the whole step.
     """
     sums: dict[int, dict[str, float]] = {}
     for key in [k for k in metrics if k.startswith(BY_STALENESS + "/")]:
@@ -184,7 +188,7 @@ def finish_staleness_breakdown(metrics: dict[str, Any]) -> None:
         prefix = f"{BY_STALENESS}/{s}"
         metrics[f"{prefix}/token_frac"] = tokens / total
         metrics[f"{prefix}/gate_rate"] = v.get("gated", 0.0) / tokens
-        metrics[f"{prefix}/mismatch_abs_mean"] = v.get("abs_d_sum", 0.0) / tokens
+        metrics[f"{prefix}/mismatch_abs_mean"] = v.get("abs_d", 0.0) / tokens
 
 
 def sat_ppo_loss(config: Any, model_output: Any, data: Any, dp_group: Any = None) -> tuple[torch.Tensor, dict]:
