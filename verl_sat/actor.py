@@ -197,16 +197,17 @@ def sat_ppo_loss(config: Any, model_output: Any, data: Any, dp_group: Any = None
     from verl.workers.utils.losses import ppo_loss
     from verl.workers.utils.padding import no_padding_2_padding
 
-    from verl_sat.losses import loss_context
+    from verl_sat.losses import loss_context, mu_log_prob
 
     staleness = data[STALENESS_FIELD] if STALENESS_FIELD in data.keys() else None
     if staleness is not None:
         staleness = _padded(data, STALENESS_FIELD).reshape(-1)
     rollout = _padded(data, "rollout_log_probs") if "rollout_log_probs" in data.keys() else None
-    with staleness_context(staleness), loss_context(rollout) as ctx:
-        loss, metrics = ppo_loss(config, model_output, data, dp_group)
     old = _padded(data, "old_log_probs")
     mask = _padded(data, "response_mask").bool()
+    with staleness_context(staleness), loss_context(rollout) as ctx:
+        loss, metrics = ppo_loss(config, model_output, data, dp_group)
+        mu = mu_log_prob(old)  # the losses' own rule for log mu (the rollout's, when it fits)
     extra: dict[str, float] = {}
     if rollout is not None:
         # 0 when the ratio's denominator is the rollout's mu (SPEC §4; bypass mode), > 0 when
@@ -215,7 +216,6 @@ def sat_ppo_loss(config: Any, model_output: Any, data: Any, dp_group: Any = None
         extra["actor/sat_old_vs_rollout_logprob_gap"] = float(gap.max()) if gap.numel() else 0.0
     if staleness is not None:
         log_prob = no_padding_2_padding(model_output["log_probs"], data)
-        mu = rollout if rollout is not None and rollout.shape == old.shape else old
         breakdown = staleness_breakdown(staleness, log_prob, mu, mask, config, ctx.gate)
         metrics.update({k: Metric(breakdown_aggregation(k), v) for k, v in breakdown.items()})
     metrics.update(Metric.from_dict(extra, aggregation=AggregationType.MEAN))

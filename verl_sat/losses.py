@@ -120,11 +120,10 @@ class LossContext:
     """Opened by ``verl_sat.actor.sat_ppo_loss`` around one call of verl's ``ppo_loss``.
 
     In: ``rollout_log_prob`` = log mu, padded like ``old_log_prob`` (None: not in the batch).
-    Out: the detached score ``d`` the gate used and the ``gate`` itself (SAT losses only).
+    Out: the ``gate`` the SAT loss applied (None for other losses and with SAT off).
     """
 
     rollout_log_prob: torch.Tensor | None = None
-    score: torch.Tensor | None = None
     gate: torch.Tensor | None = None
 
 
@@ -171,11 +170,11 @@ def score_reference(sat: SATPolicyLossConfig, old_log_prob: torch.Tensor) -> tor
     return mu.to(device=old_log_prob.device, dtype=old_log_prob.dtype)
 
 
-def _record(score: torch.Tensor, f: SATFactors) -> None:
+def _record(f: SATFactors) -> None:
     """Hand the gate back to the worker loss (per-staleness metrics), if it opened a context."""
     ctx = _CONTEXT.get()
     if ctx is not None:
-        ctx.score, ctx.gate = score, f.gate
+        ctx.gate = f.gate
 
 
 # ---------------------------------------------------------------------------------------------
@@ -217,7 +216,7 @@ def compute_policy_loss_sat(
     ref = score_reference(sat, old_log_prob)
     d = log_ratio if ref is old_log_prob else torch.clamp(log_prob - ref, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)  # d_{b,t}
     f = sat_factors(d, mask, sat.sat_alpha, sat.sat_kernel, sat.sat_kernel_exponent)
-    _record(d.detach(), f)
+    _record(f)
 
     pg_losses1 = -advantages * ratio  # -r A
     pg_losses2 = -advantages * sat_clip(ratio, f, eps_low, eps_high)  # -clip(r, 1 - eps_low~, 1 + eps_high~) A
@@ -305,7 +304,7 @@ def compute_policy_loss_sat_gspo(
     log_rho_score = log_rho if ref is old_log_prob else torch.sum((log_prob - ref) * response_mask, -1) / seq_lengths
     d = log_rho_score.detach().unsqueeze(-1).expand_as(log_prob)  # sequence score on every token
     f = sat_factors(d, mask, sat.sat_alpha, sat.sat_kernel, sat.sat_kernel_exponent)
-    _record(d, f)
+    _record(f)
 
     pg_losses1 = -advantages * s
     pg_losses2 = -advantages * sat_clip(s, f, eps_low, eps_high)
