@@ -10,44 +10,24 @@ Reinforcement Learning", https://arxiv.org/abs/2607.18722
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
-from fractions import Fraction
 
 import torch
 
-# Integer/low-precision dtypes are selected in fp32: every bf16/fp16 value is exact in fp32,
-# so the selected element, cast back, is bit-exact.
-_SELECT_DTYPES = (torch.float32, torch.float64)
-
-
-def quantile_rank(alpha: float, n: int) -> int:
-    """k = ceil(alpha * n): the 1-based rank of the inverse-CDF alpha-quantile of n values.
-
-    F(v_(k)) = k / n >= alpha first holds at k = ceil(alpha n) (SPEC §2 step 2). alpha is read
-    as the decimal the user wrote (0.7 -> 7/10), so 0.7 * 10 gives rank 7, not 8.
-    """
-    exact = Fraction(alpha).limit_denominator(10**9)
-    return max(1, math.ceil(exact * n))
+from verl_sat.quantile import exact_quantile, quantile_rank  # noqa: F401  (quantile_rank: re-exported)
 
 
 def masked_quantile(x: torch.Tensor, mask: torch.Tensor, alpha: float) -> torch.Tensor:
     """q = the alpha-quantile of x over mask, inverse-CDF convention, by selection (SPEC §2 step 2).
 
     The smallest v in x[mask] with #{x[mask] <= v} / n >= alpha, i.e. the k-th smallest with
-    k = ceil(alpha n), read as the minimum of the m = n - k + 1 largest. ``torch.topk`` is a
-    selection (no full sort, no 16M-element limit unlike ``torch.quantile``); we do not use
-    ``torch.kthvalue``, whose CPU quickselect degrades to O(n^2) on descending input (30 s for
-    1M elements, measured). Inactive positions are set to -inf so they never enter the top m.
-    Returns 0 when mask is empty.
+    k = ceil(alpha n), found by radix selection on the float bits (``verl_sat.quantile``): no
+    sort, exact at every dtype and beyond torch.quantile's 16M-element limit. This is the
+    ``micro_batch`` scope; the ``step`` scope selects with the same primitive over the
+    optimizer step's tokens on every rank (``verl_sat.step_quantile``). Returns 0 when mask is
+    empty.
     """
-    n = int(mask.sum().item())
-    if n == 0:
-        return torch.zeros((), dtype=x.dtype, device=x.device)
-    m = n - quantile_rank(alpha, n) + 1
-    work = x if x.dtype in _SELECT_DTYPES else x.float()
-    work = work.masked_fill(~mask, float("-inf")).reshape(-1)
-    return torch.topk(work, m, sorted=False).values.min().to(x.dtype)
+    return exact_quantile(x[mask.bool()], alpha)
 
 
 def kernel_psi(u: torch.Tensor, q: torch.Tensor, kernel: str, exponent: float) -> torch.Tensor:
@@ -95,8 +75,18 @@ class SATFactors:
         return self._dense(~self.positive)
 
 
-def sat_factors(d: torch.Tensor, mask: torch.Tensor, alpha: float, kernel: str, exponent: float) -> SATFactors:
+def sat_factors(
+    d: torch.Tensor,
+    mask: torch.Tensor,
+    alpha: float,
+    kernel: str,
+    exponent: float,
+    q: torch.Tensor | None = None,
+) -> SATFactors:
     """Staleness score d -> (q, gate, c_plus, c_minus) (SPEC §2 steps 1-5).
+
+    ``q``: the batch reference when it was taken over more than this micro-batch (the optimizer
+    step, ``sat_quantile_scope=step``); None takes it over ``mask`` here (``micro_batch``).
 
     d_sg    = stopgrad(d)
     q       = stopgrad(alpha-quantile of |d_sg| over T_act)
@@ -110,7 +100,7 @@ def sat_factors(d: torch.Tensor, mask: torch.Tensor, alpha: float, kernel: str, 
     d_sg = d.detach()
     mask = mask.bool()
     a = d_sg.abs()
-    q = masked_quantile(a, mask, alpha)
+    q = masked_quantile(a, mask, alpha) if q is None else q.detach().to(device=a.device, dtype=a.dtype)
     gate = mask & (a > q) & (q > 0)
     idx = gate.reshape(-1).nonzero().squeeze(-1)
     d_gated = d_sg.reshape(-1)[idx]
