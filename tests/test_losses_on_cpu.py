@@ -210,8 +210,24 @@ def test_global_batch_info_is_honoured():
     n = int(b["response_mask"].sum())
     local = run_loss("sat", b, actor_config("sat"), agg="token-mean", weights=False)[0]
     info = {"dp_size": 2, "batch_num_tokens": 2 * n}
-    dp = run_loss("sat", b, actor_config("sat", global_batch_info=info), agg="token-mean", weights=False)[0]
+    config = actor_config("sat", global_batch_info=info, sat_quantile_scope="micro_batch")
+    dp = run_loss("sat", b, config, agg="token-mean", weights=False)[0]
     assert dp.item() == pytest.approx(local.item(), rel=1e-6)
+
+
+@pytest.mark.parametrize("sat_name", ["sat", "sat_gspo"])
+def test_step_scope_refuses_a_micro_batch_without_the_steps_q(sat_name):
+    """Through verl's plain ppo_loss (global_batch_info set) a micro-batch that is not the whole
+    step cannot take the step's q by itself: a clear error naming the key, not a silent
+    per-micro-batch quantile. One micro-batch that is the whole step is fine."""
+    b = random_batch(2, 4, 8)
+    n = int(b["response_mask"].sum())
+    for info in ({"dp_size": 2, "batch_num_tokens": 2 * n}, {"dp_size": 1, "batch_num_tokens": 3 * n}):
+        with pytest.raises(ValueError, match=r"policy_loss.sat_quantile_scope=step: this micro-batch holds"):
+            run_loss(sat_name, b, actor_config(sat_name, global_batch_info=info))
+    whole = run_loss(sat_name, b, actor_config(sat_name, global_batch_info={"dp_size": 1, "batch_num_tokens": n}))
+    direct = run_loss(sat_name, b, actor_config(sat_name))
+    assert torch.equal(whole[0], direct[0])
 
 
 def test_registration_refuses_a_different_function():

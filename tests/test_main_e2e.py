@@ -76,6 +76,26 @@ def test_default_job_separate_async_lag2(assets, tmp_path):
     assert "[verl-sat] step    2 |" in stdout and "[verl-sat] 2 steps in" in stdout
 
 
+def step_gate_rate(row: dict) -> float:
+    """The step's token-weighted gate rate, from the exact per-staleness rates."""
+    prefix = "actor/sat_by_staleness/"
+    buckets = {k[len(prefix) :].split("/")[0] for k in row if k.startswith(prefix)}
+    return sum(row[f"{prefix}{s}/token_frac"] * row[f"{prefix}{s}/gate_rate"] for s in buckets)
+
+
+def test_one_sequence_per_micro_batch_still_gates_one_minus_alpha_of_the_step(assets, tmp_path):
+    """SPEC §2 step 2 at the paper's shape in miniature: SAT-GSPO with one response per micro-batch.
+    A per-micro-batch q would be each response's own score and gate nothing; the step's q gates
+    about 1 - alpha of the step's tokens, at the step's weights (score drift 0)."""
+    rows, stdout = run_main(assets, tmp_path / "run", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=1")
+    check_sat_run(rows, lag=2)
+    for row in rows:
+        assert row["actor/sat_seqs_per_micro_batch"] == 1.0
+        assert 0.04 <= step_gate_rate(row) <= 0.1 + 1e-9, row
+        assert row["actor/sat_score_drift"] == 0.0  # the scoring pass ran at the step's weights
+        assert row["actor/sat_score_pass_seconds"] > 0
+
+
 @pytest.mark.parametrize("mode", ["sync", "colocate_async"])
 def test_colocated_modes(assets, tmp_path, mode):
     rows, _ = run_main(assets, tmp_path / "run", f"trainer.v1.trainer_mode={mode}", "sat.lag=1")

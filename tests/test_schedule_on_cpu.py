@@ -228,3 +228,28 @@ def test_breakdown_sums_are_reduced_alike_by_verls_step_aggregator():
     for s in range(8):
         assert step[f"actor/sat_by_staleness/{s}/mismatch_abs_mean"] == pytest.approx(expected, rel=1e-6)
         assert step[f"actor/sat_by_staleness/{s}/token_frac"] == pytest.approx(1 / 8)
+
+
+def _scope_cfg(scope: str, loss_mode: str = "sat_gspo", **actor: object):
+    from omegaconf import OmegaConf
+
+    node = {"loss_mode": loss_mode, "sat_quantile_scope": scope, "sat_alpha": 0.9}
+    base = {"use_dynamic_bsz": False, "ppo_micro_batch_size_per_gpu": 2, "ppo_max_token_len_per_gpu": 35000}
+    return OmegaConf.create(
+        {
+            "actor_rollout_ref": {"actor": {**base, **actor, "policy_loss": node}},
+            "data": {"max_prompt_length": 2048, "max_response_length": 32768},
+        }
+    )
+
+
+def test_gate_starvation_warning_names_the_keys_only_where_the_gate_can_starve():
+    from verl_sat.schedule import gate_starvation_warning
+
+    warning = gate_starvation_warning(_scope_cfg("micro_batch"))
+    assert "ppo_micro_batch_size_per_gpu=2" in warning and "sat_quantile_scope=step" in warning
+    dynamic = gate_starvation_warning(_scope_cfg("micro_batch", use_dynamic_bsz=True))
+    assert "ppo_max_token_len_per_gpu=35000 holds ~1 longest responses" in dynamic  # the paper's packing
+    assert gate_starvation_warning(_scope_cfg("step")) is None
+    assert gate_starvation_warning(_scope_cfg("micro_batch", ppo_micro_batch_size_per_gpu=32)) is None
+    assert gate_starvation_warning(_scope_cfg("micro_batch", loss_mode="sat")) is None

@@ -205,7 +205,8 @@ def sat_ppo_loss(config: Any, model_output: Any, data: Any, dp_group: Any = None
     rollout = _padded(data, "rollout_log_probs") if "rollout_log_probs" in data.keys() else None
     old = _padded(data, "old_log_probs")
     mask = _padded(data, "response_mask").bool()
-    with staleness_context(staleness), loss_context(rollout) as ctx:
+    step_q, scored, step_metrics = step_inputs(data, old)
+    with staleness_context(staleness), loss_context(rollout, step_q, scored) as ctx:
         loss, metrics = ppo_loss(config, model_output, data, dp_group)
         mu = mu_log_prob(old)  # the losses' own rule for log mu (the rollout's, when it fits)
     extra: dict[str, float] = {}
@@ -218,8 +219,30 @@ def sat_ppo_loss(config: Any, model_output: Any, data: Any, dp_group: Any = None
         log_prob = no_padding_2_padding(model_output["log_probs"], data)
         breakdown = staleness_breakdown(staleness, log_prob, mu, mask, config, ctx.gate)
         metrics.update({k: Metric(breakdown_aggregation(k), v) for k, v in breakdown.items()})
+    extra.update(step_metrics)
     metrics.update(Metric.from_dict(extra, aggregation=AggregationType.MEAN))
     return loss, metrics
+
+
+def step_inputs(data: Any, old: torch.Tensor) -> tuple[float | None, torch.Tensor | None, dict[str, float]]:
+    """The step's q and the score's log pi that ``verl_sat.step_quantile`` put in the micro-batch.
+
+    Returns (q, padded score log pi, metrics); (None, None, {}) when no scoring pass ran.
+    """
+    from verl.utils import tensordict_utils as tu
+    from verl.workers.utils.padding import no_padding_2_padding
+
+    from verl_sat import step_quantile as sq
+
+    step_q = tu.get_non_tensor_data(data, key=sq.STEP_Q_KEY, default=None)
+    if step_q is None:
+        return None, None, {}
+    if tu.get_non_tensor_data(data, key=sq.SCORE_FROM_OLD_KEY, default=False):
+        scored = old
+    else:
+        scored = no_padding_2_padding(data[sq.SCORE_FIELD], data)
+    seconds = tu.get_non_tensor_data(data, key=sq.SCORE_PASS_S_KEY, default=0.0)
+    return float(step_q), scored, {"actor/sat_score_pass_seconds": float(seconds)}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -231,6 +254,9 @@ def install_sat_loss(worker: Any) -> None:
     if isinstance(loss_fn, partial) and getattr(loss_fn.func, "__name__", "") == "ppo_loss":
         worker.loss_fn = partial(sat_ppo_loss, **loss_fn.keywords)
         worker.actor.set_loss_fn(worker.loss_fn)
+        from verl_sat.step_quantile import enable_step_quantile
+
+        enable_step_quantile(worker.actor.engine, loss_fn.keywords["config"])
 
 
 def sat_worker_class(remote_cls: Any) -> Any:

@@ -23,6 +23,13 @@ KERNELS = ("hill", "exponential")
 # The denominator of the SAT score d = log pi - log(.) (SPEC §4): the ratio's own old_log_prob
 # (mu itself in bypass mode, the default), or the rollout's mu while the ratio uses old_log_prob.
 SCORE_REFERENCES = ("old_log_prob", "rollout_log_probs")
+# Over which tokens q is taken (SPEC §2 step 2): the optimizer step's (every micro-batch, every
+# data-parallel rank), or each micro-batch's own (degenerates for SAT-GSPO on few long sequences).
+QUANTILE_SCOPES = ("step", "micro_batch")
+# Where the step-scope score's log pi comes from: a forward pass at the step's weights before
+# its first backward, or the trainer's recomputed old log-probs (free, decoupled mode only; at
+# the step's weights only for the first optimizer step after they were computed).
+STEP_SCORES = ("forward", "old_log_prob")
 
 
 def _is_number(value: object) -> bool:
@@ -44,6 +51,18 @@ class SATPolicyLossConfig(PolicyLossConfig):
             ratio's, which is the rollout's mu in bypass mode. ``"rollout_log_probs"``: the
             decoupled option, the ratio against the trainer's recomputed old log-probs and the
             score against mu (needs rollout log-probs in the batch and verl-sat's worker loss).
+        sat_quantile_scope: the tokens q is taken over (SPEC §2 step 2). ``"step"`` (default):
+            every active token of the optimizer step, on every data-parallel rank, scored at the
+            step's weights; needs verl-sat's worker (``sat.actor=true``) unless one micro-batch
+            is the whole step. ``"micro_batch"``: each micro-batch's own tokens (the pre-0.2
+            behaviour; SAT-GSPO gates nothing once a micro-batch's top sequence holds 1 - alpha
+            of its tokens).
+        sat_step_score: with ``step`` scope, where log pi of the score comes from:
+            ``"forward"`` (default) a forward pass over the step's micro-batches at its weights
+            before the first backward (about a third of a forward+backward); ``"old_log_prob"``
+            the trainer's recomputed old log-probs (free; decoupled mode only, and at the step's
+            weights only for the first optimizer step after they were computed:
+            ``actor/sat_score_drift`` says how far).
     """
 
     sat_enabled: bool = True
@@ -51,6 +70,8 @@ class SATPolicyLossConfig(PolicyLossConfig):
     sat_kernel: str = "hill"
     sat_kernel_exponent: float = 2.0
     sat_score_against: str = "old_log_prob"
+    sat_quantile_scope: str = "step"
+    sat_step_score: str = "forward"
 
     def __post_init__(self) -> None:
         parent_post_init = getattr(super(), "__post_init__", None)
@@ -71,9 +92,32 @@ class SATPolicyLossConfig(PolicyLossConfig):
                 f"{POLICY_LOSS_KEY}.sat_score_against must be one of {list(SCORE_REFERENCES)}, "
                 f"got {self.sat_score_against!r}"
             )
+        if self.sat_quantile_scope not in QUANTILE_SCOPES:
+            raise ValueError(
+                f"{POLICY_LOSS_KEY}.sat_quantile_scope must be one of {list(QUANTILE_SCOPES)}, "
+                f"got {self.sat_quantile_scope!r}"
+            )
+        if self.sat_step_score not in STEP_SCORES:
+            raise ValueError(
+                f"{POLICY_LOSS_KEY}.sat_step_score must be one of {list(STEP_SCORES)}, got {self.sat_step_score!r}"
+            )
+        if self.sat_step_score == "old_log_prob" and self.sat_score_against != "rollout_log_probs":
+            raise ValueError(
+                f"{POLICY_LOSS_KEY}.sat_step_score=old_log_prob scores log pi_old - log mu, which needs "
+                f"{POLICY_LOSS_KEY}.sat_score_against=rollout_log_probs (the decoupled option; in bypass mode "
+                f"old_log_prob is mu and the score would be 0), got sat_score_against={self.sat_score_against!r}"
+            )
 
 
-SAT_FIELDS = ("sat_enabled", "sat_alpha", "sat_kernel", "sat_kernel_exponent", "sat_score_against")
+SAT_FIELDS = (
+    "sat_enabled",
+    "sat_alpha",
+    "sat_kernel",
+    "sat_kernel_exponent",
+    "sat_score_against",
+    "sat_quantile_scope",
+    "sat_step_score",
+)
 
 
 def sat_settings(policy_loss: object) -> SATPolicyLossConfig:

@@ -40,6 +40,12 @@ def clip_radii(config: Any) -> tuple[float, float]:
     return float(eps_low), float(eps_high)
 
 
+def sequence_score(log_prob: torch.Tensor, ref: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
+    """SAT-GSPO's score per response, detached: log rho_b = (1/|y_b|) sum_t (log pi - log ref) (SPEC §3)."""
+    seq_lengths = torch.sum(response_mask, dim=-1).clamp(min=1)
+    return (torch.sum((log_prob.detach() - ref) * response_mask, dim=-1) / seq_lengths).detach()
+
+
 def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return (x * mask).sum() / mask.sum().clamp(min=1)
 
@@ -119,11 +125,15 @@ def _disabled(base_fn, args: tuple, mask: torch.Tensor) -> tuple[torch.Tensor, d
 class LossContext:
     """Opened by ``verl_sat.actor.sat_ppo_loss`` around one call of verl's ``ppo_loss``.
 
-    In: ``rollout_log_prob`` = log mu, padded like ``old_log_prob`` (None: not in the batch).
+    In: ``rollout_log_prob`` = log mu, padded like ``old_log_prob`` (None: not in the batch);
+    ``step_q`` = the optimizer step's batch reference q and ``score_log_prob`` = log pi of the
+    score at the step's weights, both from ``verl_sat.step_quantile`` (None: not computed).
     Out: the ``gate`` the SAT loss applied (None for other losses and with SAT off).
     """
 
     rollout_log_prob: torch.Tensor | None = None
+    step_q: float | None = None
+    score_log_prob: torch.Tensor | None = None
     gate: torch.Tensor | None = None
 
 
@@ -131,9 +141,13 @@ _CONTEXT: ContextVar[LossContext | None] = ContextVar("sat_loss_context", defaul
 
 
 @contextlib.contextmanager
-def loss_context(rollout_log_prob: torch.Tensor | None = None) -> Iterator[LossContext]:
-    """Make ``rollout_log_prob`` visible to the SAT losses called inside; yields the context."""
-    ctx = LossContext(rollout_log_prob)
+def loss_context(
+    rollout_log_prob: torch.Tensor | None = None,
+    step_q: float | None = None,
+    score_log_prob: torch.Tensor | None = None,
+) -> Iterator[LossContext]:
+    """Make mu and the step's q visible to the SAT losses called inside; yields the context."""
+    ctx = LossContext(rollout_log_prob, step_q, score_log_prob)
     token = _CONTEXT.set(ctx)
     try:
         yield ctx
@@ -168,6 +182,43 @@ def score_reference(sat: SATPolicyLossConfig, old_log_prob: torch.Tensor) -> tor
             f"{tuple(mu.shape)} do not match old_log_prob {tuple(old_log_prob.shape)}"
         )
     return mu.to(device=old_log_prob.device, dtype=old_log_prob.dtype)
+
+
+def score_log_prob(log_prob: torch.Tensor) -> torch.Tensor:
+    """log pi of the SAT score: the step's scoring pass (``step_quantile``) when the worker ran one,
+    else this micro-batch's own log pi (the same weights: no optimizer step inside a step)."""
+    ctx = _CONTEXT.get()
+    scored = None if ctx is None else ctx.score_log_prob
+    if scored is None:
+        return log_prob.detach()
+    if scored.shape != log_prob.shape:
+        shapes = f"{tuple(scored.shape)} vs log_prob {tuple(log_prob.shape)}"
+        raise ValueError(f"the step's score log-probs do not match the micro-batch: {shapes}")
+    return scored.to(device=log_prob.device, dtype=log_prob.dtype)
+
+
+def step_reference(sat: SATPolicyLossConfig, config: Any, n_active: int) -> torch.Tensor | None:
+    """The batch reference q of ``sat_quantile_scope=step`` (SPEC §2 step 2), or None: take q here.
+
+    None for ``micro_batch`` scope, and for ``step`` scope when this call's tokens are the whole
+    step: a direct call (no verl ``global_batch_info``), or one micro-batch on one rank holding
+    all of the step's active tokens. Otherwise the step's q must come from verl-sat's worker.
+    """
+    if sat.sat_quantile_scope == "micro_batch":
+        return None
+    ctx = _CONTEXT.get()
+    if ctx is not None and ctx.step_q is not None:
+        return torch.tensor(ctx.step_q, dtype=torch.float64)
+    info = getattr(config, "global_batch_info", None) or {}
+    step_tokens, dp_size = info.get("batch_num_tokens"), info.get("dp_size") or 1
+    if step_tokens is None or (int(step_tokens) == n_active and int(dp_size) == 1):
+        return None
+    raise ValueError(
+        f"{POLICY_LOSS_KEY}.sat_quantile_scope=step: this micro-batch holds {n_active} of the step's "
+        f"{int(step_tokens)} active tokens (dp_size {dp_size}) and no step-level q was computed; run verl-sat's "
+        f"worker (sat.actor=true, trainer.v1.trainer_mode=sat_<mode>) or set {POLICY_LOSS_KEY}.sat_quantile_scope="
+        "micro_batch (per-micro-batch q; docs/sat.md)"
+    )
 
 
 def _record(f: SATFactors) -> None:
@@ -214,8 +265,10 @@ def compute_policy_loss_sat(
     log_ratio = torch.clamp(log_prob - old_log_prob, min=-LOG_RATIO_CLAMP, max=LOG_RATIO_CLAMP)  # log r_{b,t}
     ratio = torch.exp(log_ratio)  # r_{b,t}
     ref = score_reference(sat, old_log_prob)
-    d = log_ratio if ref is old_log_prob else torch.clamp(log_prob - ref, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)  # d_{b,t}
-    f = sat_factors(d, mask, sat.sat_alpha, sat.sat_kernel, sat.sat_kernel_exponent)
+    scored = score_log_prob(log_prob)
+    d = torch.clamp(scored - ref, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)  # d_{b,t}, detached
+    q = step_reference(sat, config, n_active)
+    f = sat_factors(d, mask, sat.sat_alpha, sat.sat_kernel, sat.sat_kernel_exponent, q=q)
     _record(f)
 
     pg_losses1 = -advantages * ratio  # -r A
@@ -232,13 +285,14 @@ def compute_policy_loss_sat(
 
     m = response_mask.to(ratio.dtype)
     mu = mu_log_prob(old_log_prob)
-    abs_d = (d if mu is ref else torch.clamp(log_prob - mu, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)).detach().abs()
+    abs_d = torch.clamp(log_prob.detach() - mu, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).abs()
     base = [
         masked_mean(torch.gt(pg_losses2, pg_losses1).to(m.dtype), m),  # actor/pg_clipfrac
         -(log_ratio.detach() * m).sum() / n_active,  # actor/ppo_kl
         masked_mean((torch.gt(clip_pg_losses1, pg_losses3) & (advantages < 0)).to(m.dtype), m),
     ]
-    return pg_loss, _metrics(f, n_active, eps_low, eps_high, ratio, advantages, abs_d, m, base)
+    metrics = _metrics(f, n_active, eps_low, eps_high, ratio, advantages, abs_d, m, base)
+    return pg_loss, {**metrics, **scope_metrics(log_prob, mask)}
 
 
 def _metrics(
@@ -259,6 +313,22 @@ def _metrics(
     names = ["actor/pg_clipfrac", "actor/ppo_kl", "actor/pg_clipfrac_lower"] + SAT_METRIC_NAMES
     metrics = dict(zip(names, values, strict=True))
     metrics["actor/sat_gate_rate"] = f.idx.numel() / n_active  # mean 1{q > 0, |d| > q} over T_act
+    return metrics
+
+
+def scope_metrics(log_prob: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
+    """What the batch reference q was taken over (SPEC §2 step 2; the q-scope metrics):
+
+    actor/sat_seqs_per_micro_batch = #responses with an active token in this micro-batch
+        (SAT-GSPO with per-micro-batch q gates nothing once the top one holds 1 - alpha of its tokens)
+    actor/sat_score_drift = mean over T_act of |log pi - log pi_score|: 0 when the score was
+        taken at this step's weights (forward scoring pass), > 0 when it lags (old log-probs)
+    """
+    metrics = {"actor/sat_seqs_per_micro_batch": float(mask.any(dim=-1).sum())}
+    ctx = _CONTEXT.get()
+    if ctx is not None and ctx.score_log_prob is not None:
+        drift = (log_prob.detach() - score_log_prob(log_prob)).abs()
+        metrics["actor/sat_score_drift"] = masked_mean(drift, mask.to(drift.dtype)).item()
     return metrics
 
 
@@ -301,9 +371,10 @@ def compute_policy_loss_sat_gspo(
     s = torch.exp(log_s)
 
     ref = score_reference(sat, old_log_prob)
-    log_rho_score = log_rho if ref is old_log_prob else torch.sum((log_prob - ref) * response_mask, -1) / seq_lengths
-    d = log_rho_score.detach().unsqueeze(-1).expand_as(log_prob)  # sequence score on every token
-    f = sat_factors(d, mask, sat.sat_alpha, sat.sat_kernel, sat.sat_kernel_exponent)
+    log_rho_score = sequence_score(score_log_prob(log_prob), ref, response_mask)
+    d = log_rho_score.unsqueeze(-1).expand_as(log_prob)  # sequence score on every token
+    q = step_reference(sat, config, n_active)
+    f = sat_factors(d, mask, sat.sat_alpha, sat.sat_kernel, sat.sat_kernel_exponent, q=q)
     _record(f)
 
     pg_losses1 = -advantages * s
@@ -324,7 +395,8 @@ def compute_policy_loss_sat_gspo(
         -(token_d * m).sum() / n_active,  # actor/ppo_kl
         torch.zeros((), dtype=m.dtype, device=m.device),  # actor/pg_clipfrac_lower (no dual clip in GSPO)
     ]
-    return pg_loss, _metrics(f, n_active, eps_low, eps_high, s, advantages, abs_d, m, base)
+    metrics = _metrics(f, n_active, eps_low, eps_high, s, advantages, abs_d, m, base)
+    return pg_loss, {**metrics, **scope_metrics(log_prob, mask)}
 
 
 # ---------------------------------------------------------------------------------------------

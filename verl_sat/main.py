@@ -29,7 +29,13 @@ import hydra
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from verl_sat.paths import hydra_config_dir
-from verl_sat.schedule import SATRecipeConfig, apply_actor, apply_lag, apply_routing_replay
+from verl_sat.schedule import (
+    SATRecipeConfig,
+    apply_actor,
+    apply_lag,
+    apply_routing_replay,
+    gate_starvation_warning,
+)
 
 METRICS_FILE = "metrics.jsonl"
 PROGRESS_KEYS = {
@@ -225,6 +231,9 @@ def prepare(cfg: DictConfig) -> tuple[SATRecipeConfig, Path]:
     apply_lag(cfg, sat.lag)
     apply_actor(cfg, sat.actor)
     apply_routing_replay(cfg, sat.routing_replay)
+    warning = gate_starvation_warning(cfg)
+    if warning:
+        print(f"[verl-sat] warning: {warning}", flush=True)
     set_platform_env(cfg)
     run_dir = make_run_dir(cfg, sat)
     return sat, run_dir

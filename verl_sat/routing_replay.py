@@ -333,7 +333,7 @@ def routing_replay_engine() -> type:
 
     Per ``forward_backward_batch`` the action follows verl's worker flag ``enable_routing_replay``
     (set by ``compute_log_prob`` / ``update_actor``, cleared by ``compute_ref_log_prob``) and the
-    engine's ``router_replay.mode``: R2 records in forward-only passes and replays otherwise; R3
+    engine's ``router_replay.mode``: R2 records in forward-only passes without routes and replays otherwise; R3
     always replays the micro-batch's ``routed_experts`` (nested ``[bs, seq, L, k]``, aligned with
     ``input_ids``). In a recording pass the routes are returned as ``model_output["routed_experts"]``
     like verl's VeOmni engine does. Ulysses sequence parallelism is not supported.
@@ -361,7 +361,11 @@ def routing_replay_engine() -> type:
         def forward_backward_batch(self, data: Any, loss_function: Any, forward_only: bool = False) -> Any:
             mode = self._replay_mode()
             active = mode != "disabled" and bool(tu.get_non_tensor_data(data, "enable_routing_replay", default=False))
-            self._rr_action = ("record" if mode == "R2" and forward_only else "replay") if active else "off"
+            # R2 records in the forward-only pass that has no routes yet (compute_log_prob), as verl's
+            # Megatron engine does; a forward-only pass over recorded routes (the step-scope scoring
+            # pass, verl_sat.step_quantile) replays them like the training pass it precedes
+            record = mode == "R2" and forward_only and data.get("routed_experts", None) is None
+            self._rr_action = ("record" if record else "replay") if active else "off"
             if self._rr_action != "off" and self._rr_action not in self._rr_announced:  # once per action
                 self._rr_announced = self._rr_announced | {self._rr_action}
                 what = "recording routes (forward only)" if self._rr_action == "record" else "replaying recorded routes"

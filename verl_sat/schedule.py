@@ -154,3 +154,35 @@ def apply_routing_replay(cfg: DictConfig, mode: str) -> None:
         else:
             node.router_replay.mode = mode
         cfg.actor_rollout_ref.rollout.enable_rollout_routing_replay = mode == "R3"
+
+
+def gate_starvation_warning(cfg: DictConfig) -> str | None:
+    """A warning when per-micro-batch q can starve SAT-GSPO's gate (SPEC §2 step 2), else None.
+
+    With ``sat_quantile_scope=micro_batch`` the strict |d| > q gates nothing in a micro-batch
+    whose top-scored response holds >= 1 - alpha of its tokens, which is certain once a
+    micro-batch holds fewer than 1 / (1 - alpha) responses of similar length. A micro-batch holds
+    at least ``ppo_micro_batch_size_per_gpu`` responses, or with dynamic batching about
+    ``ppo_max_token_len_per_gpu / (max_prompt_length + max_response_length)`` long ones.
+    """
+    actor = cfg.actor_rollout_ref.actor
+    policy_loss = actor.get("policy_loss") or {}
+    if policy_loss.get("loss_mode") != "sat_gspo" or not policy_loss.get("sat_enabled", True):
+        return None
+    if policy_loss.get("sat_quantile_scope", "step") != "micro_batch":
+        return None
+    alpha = float(policy_loss.get("sat_alpha", 0.9))
+    if actor.get("use_dynamic_bsz", False):
+        longest = int(cfg.data.max_prompt_length) + int(cfg.data.max_response_length)
+        per_micro = int(actor.ppo_max_token_len_per_gpu) // max(longest, 1)
+        how = f"actor.ppo_max_token_len_per_gpu={actor.ppo_max_token_len_per_gpu} holds ~{per_micro} longest responses"
+    else:
+        per_micro = int(actor.get("ppo_micro_batch_size_per_gpu") or 1)
+        how = f"actor.ppo_micro_batch_size_per_gpu={per_micro}"
+    if per_micro * (1.0 - alpha) >= 1.0:
+        return None
+    return (
+        f"sat_quantile_scope=micro_batch with {how}: fewer than 1/(1 - alpha) = {1 / (1 - alpha):.0f} responses "
+        "per micro-batch, so SAT-GSPO's gate can fire on nothing (q = the top response's own score) and "
+        "SAT-GSPO becomes GSPO; use actor_rollout_ref.actor.policy_loss.sat_quantile_scope=step"
+    )

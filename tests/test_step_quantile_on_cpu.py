@@ -1,0 +1,221 @@
+"""q over the optimizer step (SPEC §2 step 2; verl_sat.step_quantile) at the paper's shapes.
+
+A step of many micro-batches, each holding one to three long responses (dynamic batching at
+~35k tokens, multi-thousand-token responses): with ``step`` scope SAT-GSPO gates about 1 - alpha
+of the step's active tokens and never more; with ``micro_batch`` scope it gates nothing.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import actor_config
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from verl_sat.losses import compute_policy_loss_sat, compute_policy_loss_sat_gspo, loss_context
+from verl_sat.quantile import exact_quantile
+from verl_sat.step_quantile import StepQuantileEngine, enable_step_quantile, needs_step_q, step_scores
+
+LOSSES = {"sat": compute_policy_loss_sat, "sat_gspo": compute_policy_loss_sat_gspo}
+
+
+def paper_step(seed: int, n_micro: int = 24, max_len: int = 3000, max_seqs: int = 3) -> list[dict[str, torch.Tensor]]:
+    """Micro-batches of 1-3 responses of max_len/3..max_len tokens (each holds >= 1/7 of its
+    micro-batch, as multi-thousand-token responses packed at ~35k do), with a per-response drift."""
+    g = torch.Generator().manual_seed(seed)
+    micro = []
+    for _ in range(n_micro):
+        b = int(torch.randint(1, max_seqs + 1, (1,), generator=g))
+        lengths = torch.randint(max_len // 3, max_len, (b,), generator=g)
+        width = int(lengths.max())
+        mask = torch.arange(width).unsqueeze(0) < lengths.unsqueeze(1)
+        drift = torch.randn(b, 1, generator=g) * 0.05  # sequence-level staleness
+        old = -torch.rand(b, width, generator=g) * 3
+        log_prob = old + drift + torch.randn(b, width, generator=g) * 0.02
+        adv = torch.randn(b, 1, generator=g).expand(b, width).clone()
+        micro.append({"old": old, "log_prob": log_prob, "adv": adv, "mask": mask})
+    return micro
+
+
+def step_q(loss_mode: str, micro: list[dict[str, torch.Tensor]], alpha: float = 0.9) -> float:
+    """What the scoring pass computes: q over every micro-batch's scores (one rank)."""
+    values, weights = [], []
+    for m in micro:
+        v, w = step_scores(loss_mode, m["log_prob"], m["old"], m["mask"])
+        values.append(v)
+        weights.append(torch.ones_like(v, dtype=torch.long) if w is None else w)
+    return float(exact_quantile(torch.cat(values), alpha, torch.cat(weights)))
+
+
+def gated_tokens(loss_mode: str, micro: list[dict[str, torch.Tensor]], scope: str, q: float | None) -> tuple[int, int]:
+    config = actor_config(loss_mode, sat_quantile_scope=scope)
+    gated = active = 0
+    for m in micro:
+        with loss_context(step_q=q) as ctx:
+            _, metrics = LOSSES[loss_mode](m["old"], m["log_prob"], m["adv"], m["mask"], config=config)
+        gated += int(ctx.gate.sum())
+        active += int(m["mask"].sum())
+        assert metrics["actor/sat_seqs_per_micro_batch"] == float(m["mask"].any(-1).sum())
+    return gated, active
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_sat_gspo_gates_about_one_minus_alpha_of_the_step_with_step_scope(seed):
+    micro = paper_step(seed)
+    gated, active = gated_tokens("sat_gspo", micro, "step", step_q("sat_gspo", micro))
+    assert gated <= 0.1 * active  # never more than 1 - alpha
+    assert gated >= 0.1 * active - 3000  # short of it by less than one response (ties at q)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_sat_gspo_with_micro_batch_scope_gates_nothing_at_this_shape(seed):
+    """The old behaviour, kept as an option: the top response of a micro-batch holds >= 10% of
+    its tokens, so q is its own score and the strict |d| > q gates nothing (SAT-GSPO = GSPO)."""
+    micro = paper_step(seed)
+    gated, _ = gated_tokens("sat_gspo", micro, "micro_batch", None)
+    assert gated == 0
+
+
+def test_token_level_sat_gates_the_steps_tail_in_step_scope():
+    micro = paper_step(3)
+    gated, active = gated_tokens("sat", micro, "step", step_q("sat", micro))
+    assert 0.1 * active - len(micro) <= gated <= 0.1 * active
+
+
+def test_one_micro_batch_step_equals_micro_batch_scope():
+    """A step of one micro-batch: the step's q is the micro-batch's, so both scopes agree bit for bit."""
+    (m,) = paper_step(4, n_micro=1, max_seqs=3, max_len=300)
+    for loss_mode, fn in LOSSES.items():
+        q = step_q(loss_mode, [m])
+        with loss_context(step_q=q):
+            a = fn(m["old"], m["log_prob"], m["adv"], m["mask"], config=actor_config(loss_mode))
+        b = fn(
+            m["old"],
+            m["log_prob"],
+            m["adv"],
+            m["mask"],
+            config=actor_config(loss_mode, sat_quantile_scope="micro_batch"),
+        )
+        assert torch.equal(a[0], b[0]) and a[1]["actor/sat_q"] == b[1]["actor/sat_q"]
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    seed=st.integers(0, 10_000),
+    q=st.floats(1e-4, 0.5),
+    loss_mode=st.sampled_from(["sat", "sat_gspo"]),
+    scale=st.sampled_from([0.01, 0.1, 0.5]),
+)
+def test_pessimism_and_base_identity_under_any_step_q(seed, q, loss_mode, scale):
+    """Proposition 4.1 holds whatever q the step hands the micro-batch: S_SAT <= S_PPO per token,
+    and tokens the step's q leaves ungated keep PPO's (GSPO's) gradient exactly."""
+    g = torch.Generator().manual_seed(seed)
+    b, t = 4, 16
+    mask = torch.rand(b, t, generator=g) > 0.2
+    old = -torch.rand(b, t, generator=g) * 2
+    log_prob = (old + torch.randn(b, t, generator=g) * scale).requires_grad_(True)
+    adv = torch.randn(b, t, generator=g)
+    base_fn = LOSSES[loss_mode]
+    with loss_context(step_q=q) as ctx:
+        loss, _ = base_fn(old, log_prob, adv, mask, loss_agg_mode="token-mean", config=actor_config(loss_mode))
+    (grad,) = torch.autograd.grad(loss, log_prob)
+    off = actor_config(loss_mode, sat_enabled=False)
+    base_loss, _ = base_fn(old, log_prob, adv, mask, loss_agg_mode="token-mean", config=off)
+    (base_grad,) = torch.autograd.grad(base_loss, log_prob)
+    assert loss.item() >= base_loss.item() - 1e-6  # -S_SAT >= -S_PPO, aggregated
+    if not bool(ctx.gate.any()):
+        assert torch.equal(loss, base_loss) and torch.equal(grad, base_grad)
+    if loss_mode == "sat":  # token level: ungated tokens keep their gradient exactly
+        keep = mask & ~ctx.gate
+        assert torch.equal(grad[keep], base_grad[keep])
+
+
+# ---------------------------------------------------------------------------------------------
+# the engine mixin: scoring pass first, then the training pass with q and the scores
+# ---------------------------------------------------------------------------------------------
+class FakeEngine:
+    """Records forward_backward_batch calls; returns log-probs like verl's engines (nested, full sequence)."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[bool, bool, dict]] = []
+
+    def get_data_parallel_group(self):
+        return None
+
+    def forward_backward_batch(self, data, loss_function, forward_only=False):
+        from verl.utils import tensordict_utils as tu
+
+        seen = {k: tu.get_non_tensor_data(data, key=k, default=None) for k in ("sat_step_q",)}
+        seen["has_scores"] = "sat_score_log_probs" in data.keys()
+        self.calls.append((forward_only, loss_function is None, seen))
+        return {"model_output": {"log_probs": data["full_log_probs"]}}
+
+
+def fake_mini_batch(seed: int = 0):
+    """A verl-like mini-batch: prompts and responses nested, response fields nested over responses."""
+    from tensordict import TensorDict
+
+    g = torch.Generator().manual_seed(seed)
+    prompt_lens, response_lens = [3, 5, 2], [4, 2, 6]
+    full = [torch.zeros(p + r) for p, r in zip(prompt_lens, response_lens, strict=True)]
+    old, lp = [], []
+    for i, r in enumerate(response_lens):
+        o = -torch.rand(r, generator=g)
+        old.append(o)
+        lp.append(o + 0.1 * torch.randn(r, generator=g))
+        full[i][prompt_lens[i] - 1 : prompt_lens[i] - 1 + r] = lp[-1]  # verl's log-prob of token t+1 at t
+
+    def nested(xs):
+        return torch.nested.as_nested_tensor(xs, layout=torch.jagged)
+
+    data = TensorDict(
+        {
+            "prompts": nested([torch.ones(p, dtype=torch.long) for p in prompt_lens]),
+            "responses": nested([torch.ones(r, dtype=torch.long) for r in response_lens]),
+            "response_mask": nested([torch.ones(r) for r in response_lens]),
+            "old_log_probs": nested(old),
+            "full_log_probs": nested(full),
+        },
+        batch_size=[3],
+    )
+    return data, lp, old
+
+
+def test_engine_mixin_scores_the_step_before_training():
+    from verl.workers.utils.padding import no_padding_2_padding
+
+    data, lp, old = fake_mini_batch()
+    engine = FakeEngine()
+    config = actor_config("sat")
+    enable_step_quantile(engine, config)
+    assert isinstance(engine, StepQuantileEngine) and needs_step_q(config)
+    engine.forward_backward_batch(data, loss_function=lambda **_: None)
+    (first, second) = engine.calls
+    assert first[0] is True and first[1] is True  # scoring pass: forward only, no loss
+    assert second[0] is False and second[2]["has_scores"]
+    d = torch.cat([(a - b).abs() for a, b in zip(lp, old, strict=True)])
+    assert second[2]["sat_step_q"] == float(exact_quantile(d, 0.9))
+    scored = no_padding_2_padding(data["full_log_probs"], data)
+    assert torch.allclose(scored[2, :6], lp[2])
+    assert "sat_score_log_probs" not in data.keys()  # cleaned up after the step
+
+
+@pytest.mark.parametrize(
+    "overrides", [{"sat_quantile_scope": "micro_batch"}, {"sat_enabled": False}, {"loss_mode": "vanilla"}]
+)
+def test_engine_mixin_passes_through_when_no_step_q_is_needed(overrides):
+    data, _, _ = fake_mini_batch()
+    engine = FakeEngine()
+    loss_mode = overrides.pop("loss_mode", "sat_gspo")
+    enable_step_quantile(engine, actor_config(loss_mode, **overrides))
+    engine.forward_backward_batch(data, loss_function=lambda **_: None)
+    assert len(engine.calls) == 1 and engine.calls[0][0] is False and engine.calls[0][2]["sat_step_q"] is None
+
+
+def test_forward_only_calls_are_untouched():
+    data, _, _ = fake_mini_batch()
+    engine = FakeEngine()
+    enable_step_quantile(engine, actor_config("sat"))
+    engine.forward_backward_batch(data, loss_function=None, forward_only=True)
+    assert len(engine.calls) == 1
