@@ -985,7 +985,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None, probe_fn: Callable[[DictConfig], Facts] = probe) -> int:
     """Resolve the cell, probe the node, run the checks; 0 when nothing fails, 1 otherwise."""
-    args = _parser().parse_args(argv)
+    args = _parser().parse_intermixed_args(argv)
     cfg = resolve_cell(args.method, args.lag, args.hydra_overrides, run_dir=args.run_dir)
     facts = probe_fn(cfg)
     findings = run_checks(cfg, facts)
