@@ -934,9 +934,7 @@ def probe(cfg: DictConfig) -> Facts:
         cupy_distributions=cupy,
         host_mem_available_bytes=probe_host_memory(),
         disk_free_bytes=probe_disk(str(get(cfg, "trainer.default_local_dir", "."))),
-        model=probe_model(
-            str(get(cfg, "actor_rollout_ref.model.hf_config_path") or get(cfg, "actor_rollout_ref.model.path", ""))
-        ),
+        model=probe_model(str(get(cfg, "actor_rollout_ref.model.path", ""))),
         data_schemas=probe_data(data_files),
         reward_fn_error=probe_reward(cfg),
     )
