@@ -359,6 +359,7 @@ def test_run_sh_dry_run(tmp_path: Path) -> None:
     env = dict(
         os.environ, DRY_RUN="1", PYTHON=str(fake_python), RUNS_ROOT=str(tmp_path), DATA_DIR="/d", MODEL_PATH="/m"
     )
+    env["SAT_SKIP_PREFLIGHT"] = "1"  # the launch line only (tests/test_preflight_on_cpu.py covers the preflight's)
     out = subprocess.run(
         ["bash", str(REPO / "recipes/sat_paper/run.sh"), "gspo_tis_r3", "8", "trainer.logger=[console]"],
         env=env,

@@ -3,7 +3,8 @@
 #
 #   recipes/sat_paper/run.sh <method> <lag> [hydra overrides...]
 #   recipes/sat_paper/run.sh sat_gspo_r3 8
-#   DRY_RUN=1 recipes/sat_paper/run.sh grpo 1      # print the command instead of running it
+#   DRY_RUN=1 recipes/sat_paper/run.sh grpo 1      # print the commands instead of running them
+#   SAT_SKIP_PREFLIGHT=1 recipes/sat_paper/run.sh grpo 1   # launch without python -m verl_sat.preflight
 #
 # Methods and lags: python -m verl_sat.recipes --list. Everything the run writes goes to
 # ${RUNS_ROOT}/<method>-lag<lag>/ (checkpoints/, validation/, metrics.jsonl, hydra/).
@@ -22,16 +23,24 @@ RUN_DIR=${RUNS_ROOT}/${METHOD}-lag${LAG}
 # algorithm=, stabilizer=, lag=, sat.method=, sat.run_dir= (and trainer.val_only=true for base)
 CELL_OVERRIDES=$("${PYTHON}" -m verl_sat.recipes --overrides "${METHOD}" "${LAG}" --run-dir "${RUN_DIR}")
 mapfile -t CELL <<< "${CELL_OVERRIDES}"
+# The run's data and model (the preflight checks the same config the launch gets).
+PATHS=(
+    data.train_files="${DATA_DIR}/train.parquet"
+    data.val_files="${DATA_DIR}/aime24.parquet"
+    actor_rollout_ref.model.path="${MODEL_PATH}"
+)
 export VERL_FILE_LOGGER_PATH=${RUN_DIR}/metrics.jsonl
 export CUDA_DEVICE_MAX_CONNECTIONS=1
 [[ -n ${DRY_RUN:-} ]] || mkdir -p "${RUN_DIR}"
+
+# GPUs, packages, context length, memory, disk, data and reward against this cell (seconds).
+[[ -n ${SAT_SKIP_PREFLIGHT:-} ]] || ${DRY_RUN:+echo} "${PYTHON}" -m verl_sat.preflight "${METHOD}" "${LAG}" \
+    --run-dir "${RUN_DIR}" "${PATHS[@]}" "$@"
 
 ${DRY_RUN:+echo} "${PYTHON}" -m verl_sat.main \
     --config-path "${REPO_ROOT}/hydra_configs" \
     --config-name sat_paper \
     "${CELL[@]}" \
-    data.train_files="${DATA_DIR}/train.parquet" \
-    data.val_files="${DATA_DIR}/aime24.parquet" \
-    actor_rollout_ref.model.path="${MODEL_PATH}" \
+    "${PATHS[@]}" \
     hydra.run.dir="${RUN_DIR}/hydra" \
     "$@"
