@@ -222,6 +222,9 @@ def test_cell_loss_and_stabilizer(cells: dict, method: str, lag: int) -> None:
             "hill",
             2.0,
         )
+        # q over the optimizer step (SPEC §2 step 2): per-micro-batch q starves SAT-GSPO's gate
+        # at the paper's ~35k-token micro-batches of multi-thousand-token responses
+        assert (loss["sat_quantile_scope"], loss["sat_step_score"]) == ("step", "forward")
     correction = cfg["algorithm"]["rollout_correction"]
     tis, r3 = stabilizer in ("tis", "tis_r3"), stabilizer in ("r3", "tis_r3")
     # TIS: decoupled mode with token-level IS truncated at 2; otherwise the ratio is pi / mu (bypass)

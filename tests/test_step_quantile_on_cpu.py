@@ -146,7 +146,7 @@ class FakeEngine:
     def forward_backward_batch(self, data, loss_function, forward_only=False):
         from verl.utils import tensordict_utils as tu
 
-        seen = {k: tu.get_non_tensor_data(data, key=k, default=None) for k in ("sat_step_q",)}
+        seen = {k: tu.get_non_tensor_data(data, key=k, default=None) for k in ("sat_step_q", "calculate_entropy")}
         seen["has_scores"] = "sat_score_log_probs" in data.keys()
         self.calls.append((forward_only, loss_function is None, seen))
         return {"model_output": {"log_probs": data["full_log_probs"]}}
@@ -219,3 +219,54 @@ def test_forward_only_calls_are_untouched():
     enable_step_quantile(engine, actor_config("sat"))
     engine.forward_backward_batch(data, loss_function=None, forward_only=True)
     assert len(engine.calls) == 1
+
+
+def test_step_gate_rate_shares_add_up_to_the_steps_token_weighted_rate():
+    """verl sums a SUM metric over micro-batches and averages it over ranks: the shares give
+    gated / N over the whole step, however the tokens are split."""
+    from tensordict import TensorDict
+    from verl.utils import tensordict_utils as tu
+    from verl.utils.metric import AggregationType
+
+    from verl_sat.actor import step_gate_rate
+
+    g = torch.Generator().manual_seed(0)
+    ranks = [[torch.rand(b, 50, generator=g) > 0.9 for b in (1, 3, 2)], [torch.rand(4, 50, generator=g) > 0.9]]
+    n_step = sum(gate.numel() for rank in ranks for gate in rank)
+    gated = sum(int(gate.sum()) for rank in ranks for gate in rank)
+    per_rank = []
+    for rank in ranks:
+        total = 0.0
+        for gate in rank:
+            data = TensorDict({}, batch_size=[gate.shape[0]])
+            tu.assign_non_tensor(data, sat_step_tokens=n_step, dp_size=len(ranks))
+            metric = step_gate_rate(data, gate)
+            assert metric.aggregation == AggregationType.SUM
+            total += metric.values[0]
+        per_rank.append(total)
+    assert sum(per_rank) / len(ranks) == pytest.approx(gated / n_step, rel=1e-12)
+
+
+def test_scoring_pass_computes_log_pi_only_and_restores_the_batch_switches():
+    """Entropy (and sum pi^2, distillation) off in the scoring pass, back on for training."""
+    from verl.utils import tensordict_utils as tu
+
+    data, _, _ = fake_mini_batch()
+    tu.assign_non_tensor(data, calculate_entropy=True)
+    engine = FakeEngine()
+    enable_step_quantile(engine, actor_config("sat_gspo"))
+    engine.forward_backward_batch(data, loss_function=lambda **_: None)
+    assert [call[2]["calculate_entropy"] for call in engine.calls] == [False, True]
+    assert tu.get_non_tensor_data(data, key="calculate_entropy", default=None) is True
+    assert tu.get_non_tensor_data(data, key="distillation_only", default="unset") == "unset"
+
+
+def test_forward_scoring_refuses_dynamic_context_parallel():
+    from types import SimpleNamespace
+
+    data, _, _ = fake_mini_batch()
+    engine = FakeEngine()
+    engine.engine_config = SimpleNamespace(dynamic_context_parallel=True)
+    enable_step_quantile(engine, actor_config("sat_gspo"))
+    with pytest.raises(NotImplementedError, match="sat_step_score=old_log_prob"):
+        engine.forward_backward_batch(data, loss_function=lambda **_: None)

@@ -221,7 +221,26 @@ def sat_ppo_loss(config: Any, model_output: Any, data: Any, dp_group: Any = None
         metrics.update({k: Metric(breakdown_aggregation(k), v) for k, v in breakdown.items()})
     extra.update(step_metrics)
     metrics.update(Metric.from_dict(extra, aggregation=AggregationType.MEAN))
+    if step_q is not None and ctx.gate is not None:
+        metrics["actor/sat_gate_rate"] = step_gate_rate(data, ctx.gate)
     return loss, metrics
+
+
+def step_gate_rate(data: Any, gate: torch.Tensor) -> Any:
+    """The step's exact token-weighted gate rate, as this micro-batch's share (step scope).
+
+    gated_mb * dp_size / N_step, summed by verl over micro-batches and averaged over the dp_size
+    ranks: sum over the step's micro-batches and ranks of gated / N_step (SPEC §5's gate rate).
+    """
+    from verl.utils import tensordict_utils as tu
+    from verl.utils.metric import AggregationType, Metric
+
+    from verl_sat.step_quantile import STEP_TOKENS_KEY
+
+    n_step = int(tu.get_non_tensor_data(data, key=STEP_TOKENS_KEY, default=0))
+    dp_size = int(tu.get_non_tensor_data(data, key="dp_size", default=1) or 1)
+    share = float(gate.sum()) * dp_size / n_step if n_step > 0 else 0.0
+    return Metric(AggregationType.SUM, share)
 
 
 def step_inputs(data: Any, old: torch.Tensor) -> tuple[float | None, torch.Tensor | None, dict[str, float]]:

@@ -26,18 +26,21 @@ Cost: one forward over the step's tokens (about a third of a forward+backward) w
 
 from __future__ import annotations
 
+import contextlib
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 
 from verl_sat.config import sat_settings
-from verl_sat.quantile import exact_quantile
+from verl_sat.quantile import exact_quantile, global_count
 
 STEP_Q_KEY = "sat_step_q"  # non-tensor entry of the mini-batch (and so of every micro-batch)
 SCORE_FIELD = "sat_score_log_probs"  # the scoring pass's log pi, laid out like model_output["log_probs"]
 SCORE_FROM_OLD_KEY = "sat_score_from_old_log_probs"  # non-tensor: the score's log pi is old_log_probs
 SCORE_PASS_S_KEY = "sat_score_pass_s"  # non-tensor: seconds the scoring pass took
+STEP_TOKENS_KEY = "sat_step_tokens"  # non-tensor: active tokens of the step, all ranks
 SAT_LOSS_MODES = ("sat", "sat_gspo")
 
 
@@ -93,7 +96,8 @@ def compute_step_q(actor_config: Any, data: Any, score_log_prob: torch.Tensor, g
     mask = padded(data, "response_mask")
     ref = padded(data, ref_key).to(device=score_log_prob.device, dtype=score_log_prob.dtype)
     values, weights = step_scores(actor_config.policy_loss.loss_mode, score_log_prob, ref, mask.to(ref.device))
-    return exact_quantile(values, sat.sat_alpha, weights, group)
+    n_step = global_count(int(mask.bool().sum()), ref.device, group)
+    return exact_quantile(values, sat.sat_alpha, weights, group), n_step
 
 
 class StepQuantileEngine:
@@ -112,29 +116,76 @@ class StepQuantileEngine:
         try:
             return super().forward_backward_batch(data, loss_function, forward_only)  # type: ignore[misc]
         finally:
-            for key in (STEP_Q_KEY, SCORE_FROM_OLD_KEY, SCORE_PASS_S_KEY):
+            for key in (STEP_Q_KEY, SCORE_FROM_OLD_KEY, SCORE_PASS_S_KEY, STEP_TOKENS_KEY):
                 tu.pop(data, key=key, default=None)
             if SCORE_FIELD in data.keys():
                 del data[SCORE_FIELD]
 
     def _sat_prepare_step(self, data: Any, config: Any, tu: Any) -> None:
         """Score the step at its weights, then hand q (and the scores) to every micro-batch."""
+        from verl.utils.device import get_device_name
         from verl.workers.utils.padding import no_padding_2_padding
 
         start = time.perf_counter()
         if sat_settings(config.policy_loss).sat_step_score == "old_log_prob":
-            score_log_prob = padded(data, "old_log_probs")
+            score_log_prob = padded(data, "old_log_probs").to(get_device_name())  # all-reduce on the device
             tu.assign_non_tensor(data, **{SCORE_FROM_OLD_KEY: True})
         else:
-            with torch.no_grad():
+            self._sat_check_forward_scoring()
+            with torch.no_grad(), scoring_flags(data, tu):
                 out = super().forward_backward_batch(data, None, forward_only=True)  # type: ignore[misc]
             model_output = (out or {}).get("model_output") or {}
-            if "log_probs" not in model_output:  # not the last pipeline stage: it computes no loss
-                return
+            if "log_probs" not in model_output:
+                if not is_pipeline_last_stage():
+                    return  # an earlier pipeline stage computes no loss, so needs no q
+                raise RuntimeError("sat_quantile_scope=step: the scoring pass returned no log_probs")
             data[SCORE_FIELD] = model_output["log_probs"]
             score_log_prob = no_padding_2_padding(model_output["log_probs"], data)
-        q = compute_step_q(config, data, score_log_prob, self.get_data_parallel_group())  # type: ignore[attr-defined]
-        tu.assign_non_tensor(data, **{STEP_Q_KEY: float(q), SCORE_PASS_S_KEY: time.perf_counter() - start})
+        group = self.get_data_parallel_group()  # type: ignore[attr-defined]
+        q, n_step = compute_step_q(config, data, score_log_prob, group)
+        seconds = time.perf_counter() - start
+        tu.assign_non_tensor(data, **{STEP_Q_KEY: float(q), STEP_TOKENS_KEY: n_step, SCORE_PASS_S_KEY: seconds})
+
+    def _sat_check_forward_scoring(self) -> None:
+        """Refuse what the forward scoring pass does not handle (instead of a silent micro-batch q)."""
+        engine_config = getattr(self, "engine_config", None)
+        if engine_config is not None and getattr(engine_config, "dynamic_context_parallel", False):
+            raise NotImplementedError(
+                "actor_rollout_ref.actor.policy_loss.sat_quantile_scope=step with sat_step_score=forward does not "
+                "support Megatron's dynamic_context_parallel (its forward-only output reaches one rank only); "
+                "use sat_step_score=old_log_prob (decoupled mode) or sat_quantile_scope=micro_batch"
+            )
+
+
+# The scoring pass needs log pi only: verl's per-batch switches that would make it compute more
+# (entropy, sum pi^2) or call a loss (distillation) are off for its duration, then restored.
+SCORING_OFF = ("calculate_entropy", "calculate_sum_pi_squared", "distillation_use_topk", "distillation_only")
+_UNSET = object()
+
+
+@contextlib.contextmanager
+def scoring_flags(data: Any, tu: Any) -> Iterator[None]:
+    saved = {key: tu.get_non_tensor_data(data, key=key, default=_UNSET) for key in SCORING_OFF}
+    tu.assign_non_tensor(data, **dict.fromkeys(SCORING_OFF, False))
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is _UNSET:
+                tu.pop(data, key=key, default=None)
+            else:
+                tu.assign_non_tensor(data, **{key: value})
+
+
+def is_pipeline_last_stage() -> bool:
+    """True unless Megatron's pipeline parallelism is initialised and this is not its last stage."""
+    try:
+        from megatron.core import parallel_state as mpu
+    except ImportError:
+        return True
+    if not mpu.model_parallel_is_initialized():
+        return True
+    return mpu.is_pipeline_last_stage(ignore_virtual=True)
 
 
 _ENGINE_CLASSES: dict[type, type] = {}
