@@ -43,6 +43,8 @@ _T = TypeVar("_T")
 DEFAULT_TIMEOUT_S = 5.0
 # Longest answer string handed to a symbolic backend (longer ones: string comparison only).
 MAX_SYMBOLIC_LEN = 200
+# Entries of each memo (normalised answers, parses, symbolic verdicts): a step's distinct answers.
+_CACHE_SIZE = 1 << 16
 
 # ---------------------------------------------------------------------------------------------
 # 1. Extraction
@@ -138,6 +140,7 @@ def _fix_fracs(s: str) -> str:
     return re.sub(r"\\sqrt\s*(\d)", r"\\sqrt{\1}", s)
 
 
+@functools.lru_cache(maxsize=_CACHE_SIZE)
 def normalize_answer(answer: str) -> str:
     """MATH-style canonical form of an answer string (spaces removed, so compare with ``==``)."""
     s = str(answer).strip().replace("\n", " ")
@@ -213,11 +216,13 @@ def call_with_timeout(fn: Callable[[], _T], seconds: float) -> _T | None:
         previous = signal.signal(signal.SIGALRM, _raise)
         signal.setitimer(signal.ITIMER_REAL, seconds)
         try:
-            return fn()
+            try:
+                return fn()
+            finally:  # an alarm that fires here, just as fn() returns, is caught below too
+                signal.setitimer(signal.ITIMER_REAL, 0)
         except (Exception, _Timeout):
             return None
         finally:
-            signal.setitimer(signal.ITIMER_REAL, 0)
             signal.signal(signal.SIGALRM, previous)
     box: list[_T] = []
     finished = threading.Lock()  # held by whoever decides the outcome: the worker or the deadline
@@ -404,7 +409,6 @@ def _too_costly(latex: str) -> bool:
 # math-verify compares floats after rounding both sides to this many decimals (its default, 6,
 # would take 1.414214 for sqrt(2)); exact decimals never get here (``to_number``).
 FLOAT_ROUNDING = 12
-_CACHE_SIZE = 1 << 16
 
 
 class _QuietDisabledTimeout(logging.Filter):
