@@ -192,6 +192,16 @@ def test_cell_lag_maps_onto_v1_separate_async(cells: dict, method: str, lag: int
     assert v1["sampler"]["max_off_policy_threshold"] == 2
 
 
+@pytest.mark.parametrize(("method", "lag"), ALL_CELLS)
+def test_cell_rewards_with_the_project_verifier(cells: dict, method: str, lag: int) -> None:
+    # Training and validation rewards come from the verifier verl_sat.eval scores with, not from
+    # verl's data_source-chosen math_dapo scorer (tests/test_verify.py loads it through verl).
+    assert cells[(method, lag)]["reward"]["custom_reward_function"] == {
+        "path": "pkg://verl_sat.eval.verify",
+        "name": "compute_score",
+    }
+
+
 EXPECTED_LOSS = {
     "grpo": ("vanilla", "token-mean", "verl.workers.config.PolicyLossConfig"),
     "gspo": ("gspo", "seq-mean-token-mean", "verl.workers.config.PolicyLossConfig"),

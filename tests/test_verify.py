@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from fractions import Fraction
 from pathlib import Path
 
@@ -106,6 +108,9 @@ def test_aime24_last_answer_wins() -> None:
         ("Answer: 42\n", "42"),
         ("nothing here", None),
         ("the values are 1,234 and 3/4", "3/4"),
+        ("\\boxed{3} is wrong, rechecking.\nAnswer: 4", "4"),  # DAPO's last line after an earlier box
+        ("Answer: 4, or rather \\boxed{5}", "5"),
+        ("Answer: $\\boxed{7}$", "7"),
     ],
 )
 def test_extract_answer(response: str, expected: str | None) -> None:
@@ -170,6 +175,101 @@ def test_timeout_returns_none_in_main_and_worker_threads() -> None:
     worker.join()
     assert result == [None]
     assert time.monotonic() - started < 2.5
+
+
+def test_timed_out_worker_thread_is_stopped() -> None:
+    # verl scores rewards in a thread pool: a runaway check there must not keep burning CPU.
+    laps = [0]
+
+    def spin() -> int:
+        while True:
+            laps[0] += 1
+
+    result: list = []
+    caller = threading.Thread(target=lambda: result.append(call_with_timeout(spin, 0.2)))
+    caller.start()
+    caller.join()
+    assert result == [None]
+    time.sleep(0.2)  # the interrupt lands at the worker's next instruction
+    stopped_at = laps[0]
+    time.sleep(0.3)
+    assert stopped_at > 0 and laps[0] == stopped_at
+
+
+# ---------------------------------------------------------------------------------------------
+# Where math-verify improves on the previous (normalise + SymPy) verifier
+# ---------------------------------------------------------------------------------------------
+
+MATH_VERIFY_PAIRS = [
+    # (response, ground truth, correct); the SymPy-only verifier that shipped before judged each True pair wrongly
+    ("\\boxed{1, 2}", "2, 1", True),  # a list of solutions is a set
+    ("\\boxed{x \\in (-\\infty, 3)}", "(-\\infty,3)", True),
+    ("\\boxed{x \\in (-\\infty, 3]}", "(-\\infty,3)", False),
+    ("\\boxed{(-\\infty, 3)}", "x < 3", True),  # an interval against an inequality
+    ("\\boxed{[2, \\infty)}", "x \\geq 2", True),
+    ("\\boxed{[3,4] \\cup [1,2]}", "[1,2]\\cup[3,4]", True),  # unions in any order
+    ("\\boxed{[3,5] \\cup [1,2]}", "[1,2]\\cup[3,4]", False),
+    ("\\boxed{\\begin{pmatrix} 1 \\\\ 2 \\end{pmatrix}}", "\\begin{pmatrix}1\\\\2\\end{pmatrix}", True),
+    ("\\boxed{\\begin{pmatrix} 1 \\\\ 3 \\end{pmatrix}}", "\\begin{pmatrix}1\\\\2\\end{pmatrix}", False),
+    ("\\boxed{\\binom{5}{2}}", "10", True),
+    ("\\boxed{\\binom{5}{3}}", "11", False),
+    ("\\boxed{3!}", "6", True),
+    ("\\boxed{\\log_2 8}", "3", True),
+    ("\\boxed{\\{-1, 1\\}}", "\\pm 1", True),
+    ("\\boxed{\\{-1, 2\\}}", "\\pm 1", False),
+]
+
+
+@pytest.mark.parametrize(("response", "ground_truth", "correct"), MATH_VERIFY_PAIRS)
+def test_math_verify_cases(response: str, ground_truth: str, correct: bool) -> None:
+    assert verify(response, ground_truth) is correct
+
+
+def test_verdicts_are_the_same_in_a_thread_pool() -> None:
+    # verl calls the reward from loop.run_in_executor (a thread pool), where math-verify's own
+    # signal-based timeouts raise; the verdicts there must equal the main thread's and the fixtures'.
+    pairs = [(p["response"], p["ground_truth"], p["correct"]) for p in _pairs()] + MATH_VERIFY_PAIRS
+    verify_module = importlib.import_module("verl_sat.eval.verify")
+    verify_module._symbolic_equal.cache_clear()
+    verify_module._math_verify_parse.cache_clear()
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        in_pool = list(pool.map(lambda p: compute_score("math_dapo", p[0], p[1]), pairs))
+    assert in_pool == [float(correct) for _, _, correct in pairs]
+
+
+def test_recipe_reward_and_eval_score_with_one_function(tmp_path: Path) -> None:
+    # The paper recipe's reward, loaded by verl itself from a resolved cell, is the function
+    # verl_sat.eval scores samples with, and both give the same verdict on every response.
+    from omegaconf import OmegaConf
+    from verl.trainer.ppo.reward import get_custom_reward_fn
+
+    from verl_sat import recipes
+    from verl_sat.eval.data import Problem
+    from verl_sat.eval.sampling import Completion, SamplingConfig, run_eval
+
+    cfg = OmegaConf.create(OmegaConf.to_container(recipes.compose_cell("sat_gspo_r3", 8), resolve=True))
+    reward_fn = get_custom_reward_fn(cfg)
+    assert reward_fn is not None
+    assert reward_fn.args[0] is importlib.import_module("verl_sat.eval.verify").compute_score
+    pairs = _pairs()
+    problems = [Problem(str(i), "q", p["ground_truth"]) for i, p in enumerate(pairs)]
+
+    class FixtureBackend:
+        def generate(self, jobs, cfg):  # noqa: ANN001, ANN202
+            for job in jobs:
+                yield job, Completion(pairs[job.problem_index]["response"], "stop")
+
+        def describe(self) -> dict:
+            return {"backend": "fixture"}
+
+    run_eval(problems, FixtureBackend(), SamplingConfig(k=1), tmp_path, progress=False)
+    samples = [json.loads(line) for line in (tmp_path / "samples.jsonl").read_text().splitlines()]
+    assert [s["correct"] for s in samples] == [p["correct"] for p in pairs]
+    rewards = [
+        reward_fn(data_source="aime24", solution_str=s["response"], ground_truth=s["ground_truth"], extra_info={})
+        for s in samples
+    ]
+    assert rewards == [float(s["correct"]) for s in samples]
 
 
 # ---------------------------------------------------------------------------------------------

@@ -2,8 +2,8 @@
 
 Training set: DAPO-Math-17k de-duplicated by prompt, united with Dolci-RL-Zero-Math-7B (a
 question present in both is kept once). Validation set: AIME 2024 (30 problems). Every prompt is
-re-written in DAPO's style, so that verl's rule-based ``math_dapo`` verifier (which reads the
-last ``Answer:`` line) scores all of them::
+re-written in DAPO's style (a last ``Answer:`` line), which verl-sat's verifier
+(``verl_sat.eval.verify``, the paper recipe's reward) reads, as verl's ``math_dapo`` scorer does::
 
     python -m verl_sat.data.prepare_math --out ~/data/sat_math
     python -m verl_sat.data.prepare_math --out DIR --dapo dapo.parquet --dolci dolci.jsonl \
@@ -41,7 +41,8 @@ PROMPT_PREFIX = (
 PROMPT_SUFFIX = '\n\nRemember to put your answer on its own line after "Answer:".'
 PROMPT_TEMPLATE = PROMPT_PREFIX + "{question}" + PROMPT_SUFFIX
 
-# verl's default reward routes "math_dapo" and "aime*" to its math_dapo verifier.
+# Labels only for the paper recipe, whose custom reward ignores them; verl's default reward (with
+# reward.custom_reward_function.path=null) routes "math_dapo" and "aime*" to its math_dapo scorer.
 TRAIN_DATA_SOURCE = "math_dapo"
 AIME_DATA_SOURCE = "aime24"
 ABILITY = "math"

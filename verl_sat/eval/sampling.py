@@ -30,7 +30,7 @@ from typing import Any, Protocol
 
 from verl_sat.eval.data import Problem, load_problems
 from verl_sat.eval.metrics import avg_at_k, pass_at_k, pass_at_k_per_problem
-from verl_sat.eval.verify import extract_answer, verify
+from verl_sat.eval.verify import compute_score, extract_answer
 
 DEFAULT_INSTRUCTION = (
     "Please reason step by step, and put your final answer within \\boxed{}. "
@@ -437,7 +437,8 @@ def run_eval(
 ) -> dict[str, Any]:
     """Sample ``cfg.k`` responses per problem, verify them, write ``samples.jsonl`` and ``summary.json``.
 
-    Verification runs in the calling thread (the SymPy timeout needs the main thread's signals).
+    Each sample is scored by ``compute_score``, the function the paper recipe trains and validates
+    with (``reward.custom_reward_function``), in the calling thread.
     Returns the summary dict (also written to ``out_dir/summary.json``).
     """
     out = Path(out_dir)
@@ -450,7 +451,7 @@ def run_eval(
     try:
         for job, completion in backend.generate(jobs, cfg):
             problem = problems[job.problem_index]
-            correct = verify(completion.text, problem.answer)
+            correct = compute_score(dataset, completion.text, problem.answer) == 1.0  # the training reward
             n_correct += correct
             records.append(
                 {

@@ -1,24 +1,35 @@
-"""Rule-based math verifier: answer extraction, MATH-style normalisation, equivalence.
+"""The math verifier: answer extraction, MATH-style normalisation, equivalence on math-verify.
 
-One verifier serves both the AIME24 evaluation (SPEC §7, "rule-based math verifier") and the
-training reward (``compute_score`` has verl's ``custom_reward_function`` signature), so the
-reward the policy is trained on and the accuracy it is scored by cannot drift apart.
+One function serves the AIME24 evaluation (SPEC §7, "rule-based math verifier"), the training
+reward and the validation reward: ``compute_score`` has verl's ``custom_reward_function``
+signature, the paper recipe loads it with ``reward.custom_reward_function.path=
+pkg://verl_sat.eval.verify`` (hydra_configs/sat_paper.yaml), and ``verl_sat.eval`` scores every
+sample with it, so the reward the policy is trained on and the accuracy it is scored by are the
+same computation.
 
 Pipeline (docs/eval.md, "The verifier"):
 
-1. ``extract_answer``: the content of the last ``\\boxed{...}`` (nested braces), else the text
-   of the last ``Answer:`` line, else the last number in the response.
+1. ``extract_answer``: whichever comes last of the last ``\\boxed{...}`` (nested braces) and the
+   last ``Answer:`` line (DAPO's format, which math-verify does not extract); else the last
+   number in the response. Only this short answer reaches the symbolic back-ends, never the
+   (possibly 32k-token) response.
 2. ``normalize_answer``: MATH-style clean-up (Hendrycks et al. 2021, ``strip_string``): ``$``,
    ``\\text{}``, ``\\dfrac``/``\\tfrac``, ``\\left``/``\\right``, units, degrees, percent,
    thousands separators, trailing period, ``x =`` prefixes, leading zeros (``"025" == "25"``).
-3. ``is_equivalent``: equal strings; else exact rational comparison of numbers; else intervals,
-   tuples and sets element by element; else ``math_verify`` if installed, else SymPy
-   (fractions, radicals, pi). Symbolic checks run under a timeout; a timeout or a parse error
-   falls back to the string comparison of step 1 (i.e. "not equal").
+3. ``is_equivalent``: equal strings; else exact rational comparison of numbers (fast, and
+   ``0.333 != 1/3``); else math-verify (``math_verify.parse`` + ``math_verify.verify``: LaTeX,
+   intervals, sets, tuples, matrices, relations), floats compared to 12 decimals; else, when
+   math-verify cannot parse a side, a restricted SymPy parser. Symbolic checks are screened for
+   huge powers and factorials and run under a timeout that works in any thread (verl scores
+   rewards in a thread pool, where math-verify's own ``signal.alarm`` timeouts fail, so they are
+   off); a timeout or a parse error counts as "not equal".
 """
 
 from __future__ import annotations
 
+import ctypes
+import functools
+import logging
 import re
 import signal
 import threading
@@ -32,6 +43,8 @@ _T = TypeVar("_T")
 DEFAULT_TIMEOUT_S = 5.0
 # Longest answer string handed to a symbolic backend (longer ones: string comparison only).
 MAX_SYMBOLIC_LEN = 200
+# Entries of each memo (normalised answers, parses, symbolic verdicts): a step's distinct answers.
+_CACHE_SIZE = 1 << 16
 
 # ---------------------------------------------------------------------------------------------
 # 1. Extraction
@@ -57,34 +70,52 @@ def _match_braces(text: str, open_idx: int) -> int | None:
     return None
 
 
-def extract_boxed(text: str) -> str | None:
-    """Content of the last ``\\boxed{...}`` / ``\\fbox{...}`` with nested braces, or None.
-
-    ``\\boxed 5`` (no braces) yields ``"5"``; an unclosed last box is skipped for an earlier one.
-    """
+def _last_boxed(text: str) -> tuple[int, str] | None:
+    """``(start, content)`` of the last ``\\boxed{...}`` / ``\\fbox{...}``, or None."""
     for match in reversed(list(_BOXED_RE.finditer(text))):
         start = match.end()
         if start < len(text) and text[start] == "{":
             end = _match_braces(text, start)
             if end is not None:
-                return text[start + 1 : end].strip()
+                return match.start(), text[start + 1 : end].strip()
         else:
             token = re.match(r"[^\s$]+", text[start:])
             if token:
-                return token.group(0)
+                return match.start(), token.group(0)
+    return None
+
+
+def extract_boxed(text: str) -> str | None:
+    """Content of the last ``\\boxed{...}`` / ``\\fbox{...}`` with nested braces, or None.
+
+    ``\\boxed 5`` (no braces) yields ``"5"``; an unclosed last box is skipped for an earlier one.
+    """
+    boxed = _last_boxed(text)
+    return None if boxed is None else boxed[1]
+
+
+def _last_answer_line(text: str) -> tuple[int, str] | None:
+    """``(start, text)`` of the last non-empty ``Answer:`` / ``Final answer:`` line, or None."""
+    for match in reversed(list(_ANSWER_LINE_RE.finditer(text))):
+        line = match.group(1).strip().strip("*_").strip()
+        if line:
+            return match.start(), line
     return None
 
 
 def extract_answer(response: str) -> str | None:
-    """The final answer of a response: last ``\\boxed{}``, else last ``Answer:`` line, else last number."""
-    boxed = extract_boxed(response)
-    if boxed is not None:
-        return boxed
-    lines = [m.group(1) for m in _ANSWER_LINE_RE.finditer(response)]
-    lines = [line.strip().strip("*_").strip() for line in lines]
-    lines = [line for line in lines if line]
-    if lines:
-        return lines[-1]
+    """The final answer of a response: the later of the last ``\\boxed{}`` and the last ``Answer:``
+    line (a box on the Answer line counts as the box), else the last number, else None.
+
+    The DAPO prompts of the training data ask for a last line ``Answer: <answer>``; the
+    evaluation prompt asks for a box too. Whichever the response states last is its answer, so
+    ``\\boxed{3} ... on reflection ... Answer: 4`` answers 4.
+    """
+    boxed, line = _last_boxed(response), _last_answer_line(response)
+    if boxed is not None and (line is None or boxed[0] >= line[0]):
+        return boxed[1]
+    if line is not None:
+        return line[1]
     numbers = _NUMBER_RE.findall(response)
     return numbers[-1] if numbers else None
 
@@ -97,6 +128,7 @@ _TEXT_CMD_RE = re.compile(r"\\(?:text|textbf|textit|textrm|mathrm|mathbf|mbox|op
 # Words that are mathematics, never units, so "2 pi" is not stripped to "2".
 _MATH_WORDS = {"pi", "sqrt", "ln", "log", "sin", "cos", "tan", "exp", "oo", "inf", "infty", "and", "or"}
 _KEPT_SPACE = "\x00"  # placeholder for a space that survives the removal of whitespace
+_ROW_BREAK = "\x01"  # placeholder for a matrix's row break \\ while LaTeX spaces are removed
 _NUM_WITH_UNIT_RE = re.compile(r"^(-?[\d.,/]*\d)\s*((?:[a-zA-Z]{2,}\.?\s*)+)(?:\^\{?\d\}?)?$")
 
 
@@ -108,10 +140,12 @@ def _fix_fracs(s: str) -> str:
     return re.sub(r"\\sqrt\s*(\d)", r"\\sqrt{\1}", s)
 
 
+@functools.lru_cache(maxsize=_CACHE_SIZE)
 def normalize_answer(answer: str) -> str:
     """MATH-style canonical form of an answer string (spaces removed, so compare with ``==``)."""
     s = str(answer).strip().replace("\n", " ")
-    s = s.replace("\\\\", "\\")
+    # \\ is a doubly escaped backslash, except inside an environment (a matrix's row break)
+    s = s.replace("\\\\", _ROW_BREAK if "\\begin{" in s else "\\")
     for latex_space in ("\\!", "\\,", "\\;", "\\:", "\\ ", "~"):
         s = s.replace(latex_space, " " if latex_space in ("\\ ", "~") else "")
     s = s.replace("\\$", "").replace("$", "")
@@ -143,7 +177,7 @@ def normalize_answer(answer: str) -> str:
         s = "0" + s
     if re.fullmatch(r"[+-]?\d+", s):  # "025" -> "25", "+7" -> "7", "-0" -> "0"
         s = str(int(s))
-    return s
+    return s.replace(_ROW_BREAK, "\\\\")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -151,15 +185,28 @@ def normalize_answer(answer: str) -> str:
 # ---------------------------------------------------------------------------------------------
 
 
-class _Timeout(Exception):
-    """Raised inside a symbolic check that ran past its time limit."""
+class _Timeout(BaseException):
+    """Raised inside a symbolic check that ran past its time limit.
+
+    A ``BaseException``, so that math-verify's and SymPy's ``except Exception`` cannot swallow it
+    and carry on computing.
+    """
+
+
+def _interrupt(thread: threading.Thread) -> None:
+    """Raise ``_Timeout`` inside ``thread`` at its next Python instruction (CPython's async exception)."""
+    if thread.ident is not None:
+        ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread.ident), ctypes.py_object(_Timeout))
 
 
 def call_with_timeout(fn: Callable[[], _T], seconds: float) -> _T | None:
     """Run ``fn()``; return None if it raises or takes longer than ``seconds``.
 
-    In the main thread (Unix) a SIGALRM interrupts the work; elsewhere (a thread pool) the work
-    runs in a daemon thread that is abandoned at the deadline.
+    In the main thread (Unix) a SIGALRM interrupts the work. Elsewhere (verl's reward runs in a
+    thread pool) the work runs in a daemon thread; at the deadline the caller returns None and
+    the worker is interrupted by an asynchronous ``_Timeout``, so a runaway SymPy call stops at
+    its next Python instruction instead of burning the reward worker's CPU. (A single C call,
+    e.g. a huge integer power, cannot be interrupted; ``_too_costly`` refuses those first.)
     """
     if threading.current_thread() is threading.main_thread() and hasattr(signal, "setitimer"):
 
@@ -169,23 +216,37 @@ def call_with_timeout(fn: Callable[[], _T], seconds: float) -> _T | None:
         previous = signal.signal(signal.SIGALRM, _raise)
         signal.setitimer(signal.ITIMER_REAL, seconds)
         try:
-            return fn()
-        except Exception:
+            try:
+                return fn()
+            finally:  # an alarm that fires here, just as fn() returns, is caught below too
+                signal.setitimer(signal.ITIMER_REAL, 0)
+        except (Exception, _Timeout):
             return None
         finally:
-            signal.setitimer(signal.ITIMER_REAL, 0)
             signal.signal(signal.SIGALRM, previous)
     box: list[_T] = []
+    finished = threading.Lock()  # held by whoever decides the outcome: the worker or the deadline
+    done: list[bool] = []
 
     def _target() -> None:
         try:
-            box.append(fn())
-        except Exception:
+            try:
+                box.append(fn())
+            except Exception:
+                pass
+            finally:
+                with finished:
+                    done.append(True)
+        except _Timeout:  # the deadline passed; the caller has already returned None
             pass
 
-    worker = threading.Thread(target=_target, daemon=True)
+    worker = threading.Thread(target=_target, daemon=True, name="verl-sat-verify")
     worker.start()
     worker.join(seconds)
+    with finished:
+        if not done:
+            _interrupt(worker)
+            return None
     return box[0] if box else None
 
 
@@ -205,48 +266,6 @@ def to_number(s: str) -> Fraction | None:
     except (ValueError, ZeroDivisionError):
         return None
     return None
-
-
-def _split_top_level(s: str) -> list[str]:
-    """Split on commas that are not inside (), [], {}."""
-    parts, depth, current = [], 0, []
-    for ch in s:
-        if ch in "([{":
-            depth += 1
-        elif ch in ")]}":
-            depth -= 1
-        if ch == "," and depth == 0:
-            parts.append("".join(current))
-            current = []
-        else:
-            current.append(ch)
-    parts.append("".join(current))
-    return parts
-
-
-def _as_collection(s: str) -> tuple[str, list[str]] | None:
-    """``(kind, items)`` for an interval/tuple ``(a,b]``, a set ``\\{a,b\\}`` or a bare list ``a,b``."""
-    if s.startswith("\\{") and s.endswith("\\}"):
-        return "set", _split_top_level(s[2:-2])
-    if len(s) >= 2 and s[0] in "([" and s[-1] in ")]":
-        inner = s[1:-1]
-        if _match_pairs(inner):
-            items = _split_top_level(inner)
-            if len(items) > 1:
-                return s[0] + s[-1], items
-    items = _split_top_level(s)
-    return ("list", items) if len(items) > 1 else None
-
-
-def _match_pairs(s: str) -> bool:
-    """True when the brackets of ``s`` are balanced (so ``(1)+(2)`` is not taken as a tuple)."""
-    depth = 0
-    for ch in s:
-        depth += ch in "([{"
-        depth -= ch in ")]}"
-        if depth < 0:
-            return False
-    return depth == 0
 
 
 _SYMPY_NAMES = {"sqrt", "pi", "oo", "log", "ln", "sin", "cos", "tan", "exp", "I", "E"}
@@ -353,27 +372,100 @@ def _sympy_equal(pred: str, gt: str) -> bool:
     return sympy.simplify(a - b) == 0
 
 
+# Exponents, factorials and powers of powers that SymPy may take unbounded time (or memory) on.
+_BIG_EXPONENT_DIGITS = 5  # 10^{9999} is evaluated; 10^{10000} is refused
+_BIG_FACTORIAL_RE = re.compile(r"\d{5,}\s*!")
+_MAX_POWERS = 4
+
+
+def _exponent(s: str, caret: int) -> str:
+    """The exponent after the ``^`` at ``caret``: a braced group, a command with its braces, or a token."""
+    i = caret + 1
+    while i < len(s) and s[i] == " ":
+        i += 1
+    if i < len(s) and s[i] == "{":
+        end = _match_braces(s, i)
+        return s[i:] if end is None else s[i + 1 : end]
+    token = re.match(r"\\[a-zA-Z]+|\d+|.", s[i:])
+    return token.group(0) if token else ""
+
+
+def _too_costly(latex: str) -> bool:
+    """True for answers a symbolic back-end should not evaluate (they count as "not equal").
+
+    Longer than ``MAX_SYMBOLIC_LEN``; more than ``_MAX_POWERS`` powers; a power in an exponent
+    (``10^{10^{10}}``); an exponent of ``_BIG_EXPONENT_DIGITS`` or more digits; a factorial of a
+    number of 5 or more digits.
+    """
+    if len(latex) > MAX_SYMBOLIC_LEN or latex.count("^") > _MAX_POWERS or _BIG_FACTORIAL_RE.search(latex):
+        return True
+    for caret in (i for i, ch in enumerate(latex) if ch == "^"):
+        exponent = _exponent(latex, caret)
+        if "^" in exponent or "!" in exponent or re.search(rf"\d{{{_BIG_EXPONENT_DIGITS},}}", exponent):
+            return True
+    return False
+
+
+# math-verify compares floats after rounding both sides to this many decimals (its default, 6,
+# would take 1.414214 for sqrt(2)); exact decimals never get here (``to_number``).
+FLOAT_ROUNDING = 12
+
+
+class _QuietDisabledTimeout(logging.Filter):
+    """Drops math-verify's one-time warning that its timeout is off: ``call_with_timeout`` is on."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "Timeout is disabled" not in record.getMessage()
+
+
+for _logger in ("math_verify.parser", "math_verify.grader"):
+    logging.getLogger(_logger).addFilter(_QuietDisabledTimeout())
+
+
+@functools.lru_cache(maxsize=_CACHE_SIZE)
+def _math_verify_parse(answer: str) -> tuple[Any, ...]:
+    """math-verify's parse of one normalised answer, as a ``\\boxed{}`` LaTeX expression (cached).
+
+    Only LaTeX extraction: math-verify's plain-expression extractor hands strings to SymPy's
+    ``parse_expr``, which evaluates Python. ``parsing_timeout=None``: math-verify's timeout uses
+    ``signal.alarm``, which raises outside the main thread; ``call_with_timeout`` bounds it instead.
+    """
+    import math_verify
+
+    return tuple(
+        math_verify.parse(
+            f"\\boxed{{{answer}}}",
+            extraction_config=[math_verify.LatexExtractionConfig()],
+            parsing_timeout=None,
+        )
+    )
+
+
 def _math_verify_equal(pred: str, gt: str) -> bool | None:
-    """math-verify's verdict when the package is installed, else None."""
-    try:
-        import math_verify
-    except ImportError:
+    """math-verify's verdict on two normalised answers; None when it cannot parse one of them."""
+    import math_verify
+    import sympy
+
+    gold, answer = _math_verify_parse(gt), _math_verify_parse(pred)
+    parsed = (sympy.Basic, sympy.MatrixBase)
+    if not any(isinstance(x, parsed) for x in gold) or not any(isinstance(x, parsed) for x in answer):
         return None
-    gold = math_verify.parse(f"\\boxed{{{gt}}}")
-    answer = math_verify.parse(f"\\boxed{{{pred}}}")
-    if not gold or not answer:
-        return None
-    return bool(math_verify.verify(gold, answer))
+    return bool(math_verify.verify(list(gold), list(answer), float_rounding=FLOAT_ROUNDING, timeout_seconds=None))
 
 
+def _symbolic_check(pred: str, gt: str) -> bool:
+    """math-verify; when it cannot parse a side, the restricted SymPy parser (raises if unsupported)."""
+    verdict = _math_verify_equal(pred, gt)
+    return _sympy_equal(pred, gt) if verdict is None else verdict
+
+
+@functools.lru_cache(maxsize=_CACHE_SIZE)
 def _symbolic_equal(pred: str, gt: str, timeout: float) -> bool:
-    """math-verify, else SymPy, under ``timeout``; any failure counts as not equal."""
-    if max(len(pred), len(gt)) > MAX_SYMBOLIC_LEN:
+    """``_symbolic_check`` under ``timeout``, cached (16 samples of a prompt share the ground
+    truth, and many share the answer); refused, failed or timed-out checks are "not equal"."""
+    if _too_costly(pred) or _too_costly(gt):
         return False
-    verdict = call_with_timeout(lambda: _math_verify_equal(pred, gt), timeout)
-    if verdict is not None:
-        return verdict
-    return bool(call_with_timeout(lambda: _sympy_equal(pred, gt), timeout))
+    return bool(call_with_timeout(lambda: _symbolic_check(pred, gt), timeout))
 
 
 def is_equivalent(pred: str, ground_truth: str, timeout: float = DEFAULT_TIMEOUT_S) -> bool:
@@ -386,24 +478,6 @@ def is_equivalent(pred: str, ground_truth: str, timeout: float = DEFAULT_TIMEOUT
     na, nb = to_number(a), to_number(b)
     if na is not None and nb is not None:
         return na == nb
-    ca, cb = _as_collection(a), _as_collection(b)
-    if ca is not None or cb is not None:
-        if ca is None or cb is None or len(ca[1]) != len(cb[1]):
-            return False
-        kind_a, kind_b = ca[0], cb[0]
-        if {kind_a, kind_b} <= {"list", "()"}:  # a bare list and a tuple are the same thing
-            kind_a = kind_b = "()"
-        if kind_a != kind_b:
-            return False
-        if kind_a == "set":
-            remaining = list(cb[1])
-            for item in ca[1]:
-                hit = next((j for j, other in enumerate(remaining) if is_equivalent(item, other, timeout)), None)
-                if hit is None:
-                    return False
-                remaining.pop(hit)
-            return True
-        return all(is_equivalent(x, y, timeout) for x, y in zip(ca[1], cb[1], strict=True))
     if na is not None and nb is None and re.fullmatch(r"[\d.+-]+", b):
         return False
     return _symbolic_equal(a, b, timeout)
