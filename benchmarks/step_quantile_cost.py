@@ -1,6 +1,6 @@
 """What ``sat_quantile_scope=step`` costs: the scoring pass beside the training pass, side by side.
 
-    python benchmarks/step_quantile_cost.py [--repeats 7] [--micro-batches 8] [--seqs 2] [--length 256]
+    python benchmarks/step_quantile_cost.py [--repeats 15] [--micro-batches 4] [--seqs 2] [--length 128]
 
 One optimizer step of the embedded tiny Qwen3-MoE (verl_sat.default.model), split into
 micro-batches, is timed two ways, interleaved so both see the same machine noise:
@@ -10,7 +10,8 @@ micro-batches, is timed two ways, interleaved so both see the same machine noise
                        step's weights -> |d| -> exact q, verl_sat.quantile), then the same
                        forward+backward
 
-and the ratio of medians is printed. This is the model's part of verl's ``update_actor``; FSDP on
+each timed separately in interleaved repeats, and step / micro_batch = 1 + scoring / training
+(ratio of medians) is printed. This is the model's part of verl's ``update_actor``; FSDP on
 one rank adds only its own bookkeeping. In a verl run the same cost is logged every step as
 ``actor/sat_score_pass_seconds`` beside verl's ``timing_s/update_actor``.
 """
@@ -51,10 +52,10 @@ def scoring_pass(model: torch.nn.Module, batches: list[torch.Tensor], mu: list[t
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--repeats", type=int, default=7)
-    parser.add_argument("--micro-batches", type=int, default=8)
+    parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument("--micro-batches", type=int, default=4)
     parser.add_argument("--seqs", type=int, default=2, help="sequences per micro-batch")
-    parser.add_argument("--length", type=int, default=256, help="tokens per sequence")
+    parser.add_argument("--length", type=int, default=128, help="tokens per sequence")
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -66,17 +67,13 @@ def main() -> None:
     with torch.no_grad():
         mu = [token_log_probs(model, ids) + 0.01 * torch.randn(ids.shape[0], ids.shape[1] - 1) for ids in batches]
 
-    def micro_batch_scope() -> None:
-        train_pass(model, batches)
-
-    def step_scope() -> None:
-        scoring_pass(model, batches, mu)
-        train_pass(model, batches)
-
-    micro_batch_scope(), step_scope()  # burn-in
-    times: dict[str, list[float]] = {"micro_batch": [], "step": []}
-    for _ in range(args.repeats):
-        for name, fn in (("micro_batch", micro_batch_scope), ("step", step_scope)):
+    scoring_pass(model, batches, mu), train_pass(model, batches)  # burn-in
+    times: dict[str, list[float]] = {"scoring": [], "training": []}
+    for _ in range(args.repeats):  # interleaved: both passes see the same machine noise
+        for name, fn in (
+            ("scoring", lambda: scoring_pass(model, batches, mu)),
+            ("training", lambda: train_pass(model, batches)),
+        ):
             start = time.perf_counter()
             fn()
             times[name].append(time.perf_counter() - start)
@@ -84,11 +81,11 @@ def main() -> None:
     tokens = args.micro_batches * args.seqs * args.length
     print(
         f"tiny Qwen3-MoE, {args.micro_batches} micro-batches x {args.seqs} x {args.length} tokens "
-        f"({tokens} per step), {args.threads} threads, median of {args.repeats}"
+        f"({tokens} per step), {args.threads} threads, median of {args.repeats} interleaved repeats"
     )
-    print(f"micro_batch scope: {med['micro_batch']:.3f} s per step")
-    print(f"step scope:        {med['step']:.3f} s per step (scoring pass included)")
-    print(f"step / micro_batch = {med['step'] / med['micro_batch']:.3f}")
+    print(f"training pass (forward+backward, what micro_batch scope costs): {med['training']:.3f} s")
+    print(f"scoring pass (no-grad forward + exact q, what step scope adds):  {med['scoring']:.3f} s")
+    print(f"step / micro_batch = 1 + scoring / training = {1 + med['scoring'] / med['training']:.3f}")
 
 
 if __name__ == "__main__":
