@@ -73,6 +73,9 @@ def test_default_job_separate_async_lag2(assets, tmp_path):
     run = json.loads((tmp_path / "run" / "run.json").read_text())
     assert run["lag"] == 2 and run["method"] == "sat_gspo"
     assert run["config"]["trainer"]["v1"]["separate_async"]["parameter_sync_step"] == 2
+    # dropless sampling: nothing evicted, and metrics.jsonl says so (verl_sat.actor.EVICTION_COUNTERS)
+    assert run["config"]["trainer"]["v1"]["sampler"]["max_off_policy_strategy"] == "wait"
+    assert all(r["training/off_policy/evicted_samples"] == 0 for r in rows)
     assert "[verl-sat] step    2 |" in stdout and "[verl-sat] 2 steps in" in stdout
 
 

@@ -190,6 +190,8 @@ def test_cell_lag_maps_onto_v1_separate_async(cells: dict, method: str, lag: int
     assert trainer["total_training_steps"] * lag == PAPER_OPTIMIZER_STEPS
     assert v1["separate_async"]["num_warmup_batches"] * batch == PAPER_PROMPTS_PER_STEP
     assert v1["sampler"]["max_off_policy_threshold"] == 2
+    # dropless: wait for late groups instead of evicting them (verl's default "drop")
+    assert v1["sampler"]["max_off_policy_strategy"] == "wait"
 
 
 @pytest.mark.parametrize(("method", "lag"), ALL_CELLS)
@@ -343,6 +345,7 @@ def test_dry_run_prints_resolved_config(capsys: pytest.CaptureFixture[str]) -> N
     assert printed["actor_rollout_ref"]["actor"]["megatron"]["router_replay"]["mode"] == "R3"
     assert printed["trainer"]["experiment_name"] == "sat_gspo_r3-lag8"
     assert printed["trainer"]["total_epochs"] == 3
+    assert printed["trainer"]["v1"]["sampler"]["max_off_policy_strategy"] == "wait"
     assert "${" not in str(printed)
 
 

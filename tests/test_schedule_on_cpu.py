@@ -253,3 +253,37 @@ def test_gate_starvation_warning_names_the_keys_only_where_the_gate_can_starve()
     assert gate_starvation_warning(_scope_cfg("step")) is None
     assert gate_starvation_warning(_scope_cfg("micro_batch", ppo_micro_batch_size_per_gpu=32)) is None
     assert gate_starvation_warning(_scope_cfg("micro_batch", loss_mode="sat")) is None
+
+
+def test_file_logger_path_reaches_ray_through_runtime_env(tmp_path, monkeypatch):
+    # on a pre-started Ray cluster, workers do not inherit the driver's environment
+    from verl_sat import recipes
+    from verl_sat.main import prepare
+
+    monkeypatch.setenv("VERL_FILE_LOGGER_PATH", "unset after the test")  # prepare sets it
+    monkeypatch.delenv("VERL_FILE_LOGGER_PATH")
+    cfg = recipes.compose_cell(
+        "sat_gspo_r3",
+        8,
+        [
+            f"sat.run_dir={tmp_path / 'run'}",
+            "+ray_kwargs.ray_init.runtime_env.env_vars.NCCL_DEBUG=INFO",
+            "ray_kwargs.ray_init.runtime_env.py_executable=/opt/py",
+        ],
+    )
+    prepare(cfg)
+    runtime_env = cfg.ray_kwargs.ray_init.runtime_env
+    assert runtime_env.env_vars.VERL_FILE_LOGGER_PATH == str(tmp_path / "run" / "metrics.jsonl")
+    assert runtime_env.env_vars.NCCL_DEBUG == "INFO" and runtime_env.py_executable == "/opt/py"  # kept
+
+
+def test_runtime_env_keeps_a_users_file_logger_path(monkeypatch):
+    from verl_sat.main import pass_env_to_ray
+
+    monkeypatch.setenv("VERL_FILE_LOGGER_PATH", "/run/metrics.jsonl")
+    cfg = OmegaConf.create({"ray_kwargs": {"ray_init": {"runtime_env": {"env_vars": {"VERL_FILE_LOGGER_PATH": "/u"}}}}})
+    pass_env_to_ray(cfg)
+    assert cfg.ray_kwargs.ray_init.runtime_env.env_vars == {"VERL_FILE_LOGGER_PATH": "/u"}
+    cfg = OmegaConf.create({})
+    pass_env_to_ray(cfg)
+    assert cfg.ray_kwargs.ray_init.runtime_env.env_vars == {"VERL_FILE_LOGGER_PATH": "/run/metrics.jsonl"}

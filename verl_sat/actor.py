@@ -17,7 +17,9 @@ So verl-sat adds three small pieces, all through public seams:
    ``sat_staleness`` into TransferQueue. The field holds optimizer steps between the weights
    that generated the sample and the weights being trained (``staleness_in_steps``). It is
    registered as ``trainer.v1.trainer_mode=sat_<mode>`` (``sat_sync``, ``sat_colocate_async``,
-   ``sat_separate_async``). Each one behaves exactly as verl's ``<mode>``.
+   ``sat_separate_async``). Each one behaves exactly as verl's ``<mode>``. Each step's metrics
+   also carry verl's replay-buffer eviction counters, 0 when nothing was evicted
+   (``fill_eviction_counters``).
 2. ``sat_worker_class`` (on the actor worker): after verl's ``init_model``, replaces the
    installed loss function with ``sat_ppo_loss``; before it, selects the routing-replay FSDP
    engine when ``actor.fsdp_config.router_replay.mode`` asks for R2/R3 (``verl_sat.routing_replay``).
@@ -56,6 +58,15 @@ BY_STALENESS = "actor/sat_by_staleness"
 SUM_FIELDS = ("tokens", "gated", "abs_d")
 MODE_PREFIX = "sat_"
 BASE_MODES = ("sync", "colocate_async", "separate_async")
+# verl's replay-buffer eviction counters of the training partition (trainer/ppo/v1/replay_buffer.py;
+# they count prompt groups, despite the name). verl adds each to a step's metrics only when it is
+# nonzero; SATTrainerMixin writes 0 otherwise, so metrics.jsonl shows that nothing was dropped.
+EVICTION_COUNTERS = (
+    "training/off_policy/evicted_samples",  # older than max_off_policy_threshold (strategy "drop")
+    "training/rollout_failure/evicted_samples",  # a session of the group failed
+    "training/filter_groups/evicted_samples",  # DAPO group filter (algorithm.filter_groups)
+    "training/filter_groups/discarded_surplus_samples",  # DAPO filter, sync mode's surplus
+)
 
 _STALENESS: contextvars.ContextVar[torch.Tensor | None] = contextvars.ContextVar("sat_staleness", default=None)
 
@@ -189,6 +200,12 @@ def finish_staleness_breakdown(metrics: dict[str, Any]) -> None:
         metrics[f"{prefix}/token_frac"] = tokens / total
         metrics[f"{prefix}/gate_rate"] = v.get("gated", 0.0) / tokens
         metrics[f"{prefix}/mismatch_abs_mean"] = v.get("abs_d", 0.0) / tokens
+
+
+def fill_eviction_counters(metrics: dict[str, Any]) -> None:
+    """Write 0 for each of verl's eviction counters (``EVICTION_COUNTERS``) absent from a step's metrics."""
+    for key in EVICTION_COUNTERS:
+        metrics.setdefault(key, 0.0)
 
 
 def sat_ppo_loss(config: Any, model_output: Any, data: Any, dp_group: Any = None) -> tuple[torch.Tensor, dict]:
@@ -359,6 +376,7 @@ class SATTrainerMixin:
     def _compute_metrics(self, batch: Any, metrics: dict, timing_raw: dict, global_steps: int, epoch: int) -> None:
         super()._compute_metrics(batch, metrics, timing_raw, global_steps=global_steps, epoch=epoch)  # type: ignore[misc]
         finish_staleness_breakdown(metrics)
+        fill_eviction_counters(metrics)
         self._sentinel_observe(int(global_steps), metrics)
 
     def on_step_end(self) -> None:

@@ -9,7 +9,8 @@ What it adds around verl's ``run_ppo``:
 1. ``sat:`` settings validated (``SATRecipeConfig``), ``sat.lag`` mapped onto verl's v1 keys
    (``verl_sat.schedule``), AsyncSATActor selected (``trainer_mode=sat_<mode>``);
 2. a run directory (printed at start; ``sat.run_dir=``) with ``run.json`` and ``metrics.jsonl``
-   (verl's file logger: one JSON line per step);
+   (verl's file logger: one JSON line per step; its path reaches the Ray workers through the
+   job's runtime environment, ``pass_env_to_ray``);
 3. one progress line per step (step, reward, SAT gate rate, dbar_pi, staleness, seconds) and
    a closing summary.
 """
@@ -38,6 +39,9 @@ from verl_sat.schedule import (
 )
 
 METRICS_FILE = "metrics.jsonl"
+# Environment the Ray workers need from the driver, passed through Ray's runtime environment too:
+# on a cluster started beforehand (`ray start`), workers inherit the raylet's environment, not ours.
+RAY_ENV_VARS = ("VERL_FILE_LOGGER_PATH",)
 PROGRESS_KEYS = {
     "reward": "critic/score/mean",
     "gate": "actor/sat_gate_rate",
@@ -118,6 +122,24 @@ def make_run_dir(cfg: DictConfig, sat: SATRecipeConfig) -> Path:
         keep_earlier_metrics(cfg, run_dir, metrics)
     os.environ["VERL_FILE_LOGGER_PATH"] = str(metrics)
     return run_dir
+
+
+def pass_env_to_ray(cfg: DictConfig, names: tuple[str, ...] = RAY_ENV_VARS) -> None:
+    """Add the driver's ``names`` to ``ray_kwargs.ray_init.runtime_env.env_vars``.
+
+    verl's ``run_ppo`` merges that node over its own defaults (``get_ppo_ray_runtime_env``) and
+    passes it to ``ray.init``, so every worker of the job gets the variables, on a pre-started
+    cluster too. A variable the user already set there, and every other entry, is kept.
+    """
+    with open_dict(cfg):
+        env_vars = cfg
+        for key in ("ray_kwargs", "ray_init", "runtime_env", "env_vars"):
+            if env_vars.get(key) is None:
+                env_vars[key] = {}
+            env_vars = env_vars[key]
+        for name in names:
+            if name in os.environ and name not in env_vars:
+                env_vars[name] = os.environ[name]
 
 
 def keep_earlier_metrics(cfg: DictConfig, run_dir: Path, metrics: Path) -> None:
@@ -236,6 +258,7 @@ def prepare(cfg: DictConfig) -> tuple[SATRecipeConfig, Path]:
         print(f"[verl-sat] warning: {warning}", flush=True)
     set_platform_env(cfg)
     run_dir = make_run_dir(cfg, sat)
+    pass_env_to_ray(cfg)
     return sat, run_dir
 
 

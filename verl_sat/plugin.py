@@ -1,11 +1,18 @@
 """verl plugin entry point (group ``verl.plugins``).
 
 Every ``import verl`` loads this module, in the driver and in every Ray worker, so the SAT
-losses are registered wherever verl resolves ``policy_loss.loss_mode``. Keep it light: verl is
-only half-imported when this runs.
+losses are registered wherever verl resolves ``policy_loss.loss_mode``, and the work-arounds for
+verl bugs (``verl_sat.verl_fixes``) are installed on every platform. Keep it light: verl is only
+half-imported when this runs.
 """
 
-import verl_sat.losses  # noqa: F401  (registers "sat" and "sat_gspo")
+import verl_sat.verl_fixes
+
+# Work-arounds for verl bugs that are not about CPUs, on every platform; first, so that nothing
+# below can keep them from being installed (verl swallows a plugin's errors).
+verl_sat.verl_fixes.install()
+
+import verl_sat.losses  # noqa: E402, F401  (registers "sat" and "sat_gspo")
 
 
 def _register_cpu_and_rollout() -> None:

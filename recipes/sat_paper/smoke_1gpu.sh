@@ -1,62 +1,80 @@
 #!/usr/bin/env bash
-# A smoke run of the paper's pipeline on ONE GPU (not run in CI): SAT-GSPO + R3 with Megatron and
-# SGLang colocated, a small Qwen MoE, tiny batches and a few steps. It checks that a cell of
-# hydra_configs/sat_paper.yaml starts, generates, replays routes, trains and validates; it does
-# not reproduce any number. One GPU cannot split 4 train / 4 rollout, so the run uses verl's
-# colocate_async trainer (hybrid engine); with it the lag is 1 (parameter_sync_step is a
-# separate_async key).
+# The paper's pipeline on ONE GPU, as a smoke test: SAT-GSPO + R3, Megatron training, SGLang
+# rollout, verl's separate_async trainer at lag 2 (sat.lag=2: two optimizer steps per weight
+# broadcast), on a tiny Qwen3-MoE built here (verl_sat/default/smoke.py). It runs 2 global steps
+# with a checkpoint after each, then a second invocation in the same run directory resumes from
+# the step-2 checkpoint and trains step 3, then checks the run directory. It checks the wiring,
+# not any number (random weights: the reward is about 0). Meant to take under 8 minutes on one
+# H200; it has NOT been run yet (no GPU was at hand; docs/reproduce.md).
 #
-#   recipes/sat_paper/smoke_1gpu.sh [hydra overrides...]
-#   MODEL_PATH=/local/Qwen1.5-MoE-A2.7B recipes/sat_paper/smoke_1gpu.sh
+#   recipes/sat_paper/smoke_1gpu.sh [hydra overrides...]     # overrides go to both invocations
+#   DRY_RUN=1 recipes/sat_paper/smoke_1gpu.sh                # print the commands instead
 #
-# Needs an 80 GB+ GPU, verl with its megatron and sglang extras, and the data of
-# `python -m verl_sat.data.prepare_math --out ${DATA_DIR}`.
+# One GPU, two Ray "GPU" slots: separate_async needs a trainer slot and a rollout slot, so
+# CUDA_VISIBLE_DEVICES lists the GPU twice and Ray counts it twice (each slot's processes then see
+# that one GPU). Weights go trainer -> SGLang through verl-sat's ray_object_store engine, because
+# NCCL refuses two ranks on one device. Needs verl with its megatron and sglang extras.
 set -euo pipefail
 
 REPO_ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 PYTHON=${PYTHON:-python}
-RUN_DIR=${RUN_DIR:-${REPO_ROOT}/runs/smoke_1gpu}
-DATA_DIR=${DATA_DIR:-${HOME}/data/sat_math}
-# A small Qwen MoE (14.3B total, 2.7B active, 60 experts top-4), supported by mbridge and SGLang.
-MODEL_PATH=${MODEL_PATH:-Qwen/Qwen1.5-MoE-A2.7B}
-export VERL_FILE_LOGGER_PATH=${RUN_DIR}/metrics.jsonl
+# A fresh run directory each time (the second invocation must resume from the first's checkpoint).
+RUN_DIR=${RUN_DIR:-${REPO_ROOT}/runs/smoke_1gpu-$(date +%Y%m%d-%H%M%S)}
+ASSETS_DIR=${ASSETS_DIR:-${REPO_ROOT}/runs/smoke_1gpu_assets}
+GPU=${GPU:-0}
+LAG=2
+STEPS=2
+RESUMED_STEPS=1
+export CUDA_VISIBLE_DEVICES=${GPU},${GPU}
 export CUDA_DEVICE_MAX_CONNECTIONS=1
-mkdir -p "${RUN_DIR}"
 
-"${PYTHON}" -m verl_sat.main \
-    --config-path "${REPO_ROOT}/hydra_configs" \
-    --config-name sat_paper \
-    algorithm=sat_gspo \
-    stabilizer=r3 \
-    lag=n1 \
-    sat.method=sat_gspo_r3 \
-    trainer.project_name=sat_paper_smoke \
-    sat.run_dir="${RUN_DIR}" \
-    hydra.run.dir="${RUN_DIR}/hydra" \
-    data.train_files="${DATA_DIR}/train.parquet" \
-    data.val_files="${DATA_DIR}/aime24.parquet" \
-    data.train_batch_size=8 \
-    data.val_max_samples=4 \
-    data.max_prompt_length=512 \
-    data.max_response_length=1024 \
-    actor_rollout_ref.model.path="${MODEL_PATH}" \
-    actor_rollout_ref.hybrid_engine=true \
-    actor_rollout_ref.actor.ppo_mini_batch_size=8 \
-    actor_rollout_ref.actor.ppo_max_token_len_per_gpu=4096 \
-    actor_rollout_ref.actor.megatron.tensor_model_parallel_size=1 \
-    actor_rollout_ref.actor.megatron.expert_model_parallel_size=1 \
-    actor_rollout_ref.actor.megatron.param_offload=true \
-    actor_rollout_ref.actor.megatron.optimizer_offload=true \
-    actor_rollout_ref.rollout.nnodes=0 \
-    actor_rollout_ref.rollout.n_gpus_per_node=1 \
-    actor_rollout_ref.rollout.tensor_model_parallel_size=1 \
-    actor_rollout_ref.rollout.gpu_memory_utilization=0.4 \
-    actor_rollout_ref.rollout.checkpoint_engine.backend=naive \
-    actor_rollout_ref.rollout.n=4 \
-    actor_rollout_ref.rollout.val_kwargs.n=2 \
-    trainer.n_gpus_per_node=1 \
-    trainer.v1.trainer_mode=colocate_async \
-    trainer.total_training_steps=3 \
-    trainer.test_freq=3 \
-    trainer.save_freq=-1 \
-    "$@"
+# One invocation of verl_sat.main: the cell sat_gspo_r3 (algorithm, stabilizer, sat.method) at
+# sat.lag=2 (verl_sat.schedule derives batch size, parameter_sync_step and warm-up from it),
+# scaled down to the tiny model, until global step $1.
+launch() {
+    ${DRY_RUN:+echo} "${PYTHON}" -m verl_sat.main \
+        --config-path "${REPO_ROOT}/hydra_configs" \
+        --config-name sat_paper \
+        algorithm=sat_gspo \
+        stabilizer=r3 \
+        lag=n1 \
+        sat.lag=${LAG} \
+        sat.method=sat_gspo_r3 \
+        sat.run_dir="${RUN_DIR}" \
+        hydra.run.dir="${RUN_DIR}/hydra" \
+        trainer.project_name=sat_paper_smoke \
+        actor_rollout_ref.model.path="${ASSETS_DIR}/model" \
+        data.train_files="${ASSETS_DIR}/data/train.parquet" \
+        data.val_files="${ASSETS_DIR}/data/val.parquet" \
+        data.max_prompt_length=128 \
+        data.max_response_length=256 \
+        data.val_max_samples=8 \
+        reward.custom_reward_function.path="${REPO_ROOT}/verl_sat/default/reward.py" \
+        reward.custom_reward_function.name=compute_score \
+        actor_rollout_ref.actor.ppo_mini_batch_size=4 \
+        actor_rollout_ref.actor.ppo_max_token_len_per_gpu=1024 \
+        actor_rollout_ref.actor.megatron.tensor_model_parallel_size=1 \
+        actor_rollout_ref.actor.megatron.expert_model_parallel_size=1 \
+        actor_rollout_ref.rollout.n=4 \
+        actor_rollout_ref.rollout.val_kwargs.n=2 \
+        actor_rollout_ref.rollout.n_gpus_per_node=1 \
+        actor_rollout_ref.rollout.tensor_model_parallel_size=1 \
+        actor_rollout_ref.rollout.gpu_memory_utilization=0.3 \
+        actor_rollout_ref.rollout.checkpoint_engine.backend=ray_object_store \
+        trainer.n_gpus_per_node=1 \
+        +ray_kwargs.ray_init.num_gpus=2 \
+        trainer.val_before_train=false \
+        trainer.test_freq=${STEPS} \
+        trainer.save_freq=1 \
+        trainer.resume_mode=auto \
+        trainer.total_training_steps="$1" \
+        "${@:2}"
+}
+
+[[ -n ${DRY_RUN:-} || -f ${ASSETS_DIR}/model/config.json ]] || "${PYTHON}" -m verl_sat.default.smoke build --out "${ASSETS_DIR}"
+[[ ! -e ${RUN_DIR}/metrics.jsonl ]] || { echo "${RUN_DIR} already holds a run; set RUN_DIR=" >&2; exit 1; }
+launch "${STEPS}" "$@"
+launch "$((STEPS + RESUMED_STEPS))" "$@"
+${DRY_RUN:+echo} "${PYTHON}" -m verl_sat.default.smoke check \
+    --run-dir "${RUN_DIR}" --lag ${LAG} --steps ${STEPS} --resumed-steps ${RESUMED_STEPS}
+echo "[verl-sat] smoke: ${SECONDS} s in all"

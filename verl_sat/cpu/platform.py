@@ -11,15 +11,12 @@ when nothing is detected. This module adds a ``"cpu"`` platform, selected by ``V
 - ``device_module`` is :class:`CPUDeviceModule`, a ``torch.cpu`` wrapper with the ``torch.cuda``
   calls verl makes (rng state for checkpoint resume, memory stats, ``empty_cache``...).
 
-Two small CPU fixes are installed when the platform is selected (nothing in verl is edited):
-
-- verl builds the process-group backend as ``f"cpu:gloo,{device}:{backend}"``, i.e.
-  ``"cpu:gloo,cpu:gloo"``, which torch rejects; :func:`_dedupe_backend` wraps
-  ``torch.distributed.init_process_group`` to drop repeated device entries.
-- ``trainer_separate_async._setup`` calls ``logger.info(..., flush=True)`` (a TypeError) when
-  ``actor_rollout_ref.hybrid_engine=False``; that one logger is created as a
-  :class:`FlushTolerantLogger` (``logging.setLoggerClass`` around ``getLogger``) before verl
-  imports the module.
+One small CPU fix is installed when the platform is selected (nothing in verl is edited):
+verl builds the process-group backend as ``f"cpu:gloo,{device}:{backend}"``, i.e.
+``"cpu:gloo,cpu:gloo"``, which torch rejects; :func:`_dedupe_backend` wraps
+``torch.distributed.init_process_group`` to drop repeated device entries. It is CPU-only: on a GPU
+the string is ``"cpu:gloo,cuda:nccl"``, which torch accepts. Work-arounds for verl bugs that hit
+every platform live in ``verl_sat.verl_fixes`` (installed by the plugin everywhere).
 
 ``VERL_ENGINE_DEVICE`` defaults to ``cuda`` so that verl's FSDP engine, registered for
 cuda/npu only, is found by ``EngineRegistry``; it runs on CPU tensors regardless.
@@ -28,7 +25,6 @@ cuda/npu only, is found by ``EngineRegistry``; it runs on CPU tensors regardless
 from __future__ import annotations
 
 import functools
-import logging
 import os
 from contextlib import contextmanager
 from types import ModuleType
@@ -37,7 +33,6 @@ from typing import Any
 import torch
 
 PLATFORM_NAME = "cpu"
-_SEPARATE_ASYNC_LOGGER = "verl.trainer.ppo.v1.trainer_separate_async"
 
 
 class CPUDeviceModule:
@@ -257,26 +252,6 @@ def _install_backend_dedupe() -> None:
     dist.init_process_group = init_process_group
 
 
-class FlushTolerantLogger(logging.Logger):
-    """A ``Logger`` that ignores a stray ``flush=`` keyword (a ``print`` habit) instead of raising."""
-
-    def _log(self, level: int, msg: object, args: Any, **kwargs: Any) -> None:  # type: ignore[override]
-        kwargs.pop("flush", None)
-        super()._log(level, msg, args, **kwargs)
-
-
-def _install_flush_tolerant_logger(name: str = _SEPARATE_ASYNC_LOGGER) -> None:
-    """Create logger ``name`` as a :class:`FlushTolerantLogger` if verl has not created it yet."""
-    if isinstance(logging.Logger.manager.loggerDict.get(name), logging.Logger):
-        return
-    previous = logging.getLoggerClass()
-    logging.setLoggerClass(FlushTolerantLogger)
-    try:
-        logging.getLogger(name)
-    finally:
-        logging.setLoggerClass(previous)
-
-
 def is_selected() -> bool:
     """True when ``VERL_PLATFORM=cpu``."""
     return os.environ.get("VERL_PLATFORM", "").strip().lower() == PLATFORM_NAME
@@ -288,7 +263,7 @@ def _register_checkpoint_engine(module: ModuleType) -> None:
 
 def register() -> None:
     """Register the ``"cpu"`` platform and the ``ray_object_store`` checkpoint engine (lazily);
-    when the platform is selected, install the CPU fixes listed in the module doc."""
+    when the platform is selected, install the CPU fix named in the module doc."""
     from verl.plugin.platform import PlatformRegistry
 
     from verl_sat.hooks import when_imported
@@ -300,4 +275,3 @@ def register() -> None:
         return
     os.environ.setdefault("VERL_ENGINE_DEVICE", "cuda")
     _install_backend_dedupe()
-    _install_flush_tolerant_logger()
