@@ -29,6 +29,7 @@ from typing import Any
 import hydra
 from omegaconf import DictConfig, ListConfig, OmegaConf, open_dict
 
+from verl_sat.console import CONSOLE_LOG, quiet_console, quiet_sources
 from verl_sat.paper_table import derive_method
 from verl_sat.paths import hydra_config_dir
 from verl_sat.schedule import SATRecipeConfig, apply_actor, apply_lag, apply_routing_replay
@@ -364,20 +365,35 @@ def run(cfg: DictConfig) -> list[dict[str, Any]]:
     from verl.trainer.ppo.utils import need_critic, need_reference_policy
     from verl.utils.config import validate_config
 
-    validate_config(config=cfg, use_reference_policy=need_reference_policy(cfg), use_critic=need_critic(cfg))
-    printer = ProgressPrinter(run_dir / METRICS_FILE)
-    printer.start()
-    start = time.perf_counter()
-    try:
-        run_ppo(cfg, task_runner_class=TaskRunnerV1)
-    finally:
-        printer.stop()
-        if ray.is_initialized():
-            ray.shutdown()
+    announce_console(run_dir, sat.verbose)
+    quiet_sources()
+    with quiet_console(run_dir / CONSOLE_LOG, sat.verbose):
+        validate_config(config=cfg, use_reference_policy=need_reference_policy(cfg), use_critic=need_critic(cfg))
+        printer = ProgressPrinter(run_dir / METRICS_FILE)
+        printer.start()
+        start = time.perf_counter()
+        try:
+            run_ppo(cfg, task_runner_class=TaskRunnerV1)
+        finally:
+            printer.stop()
+            if ray.is_initialized():
+                ray.shutdown()
     rows = read_metrics(run_dir / METRICS_FILE)
     print(summary(rows, time.perf_counter() - start), flush=True)
     print(f"[verl-sat] metrics: {run_dir / METRICS_FILE}", flush=True)
     return rows
+
+
+def announce_console(run_dir: Path, verbose: bool) -> None:
+    """Say where Ray's and the workers' output goes (``verl_sat.console``)."""
+    if verbose:
+        print("[verl-sat] sat.verbose=true: Ray's and the workers' output shown as it comes", flush=True)
+    else:
+        print(
+            f"[verl-sat] Ray and worker output: {run_dir / CONSOLE_LOG} (errors still show here; "
+            "sat.verbose=true shows everything)",
+            flush=True,
+        )
 
 
 @hydra.main(config_path=str(hydra_config_dir()), config_name="sat_gspo_cpu", version_base=None)
