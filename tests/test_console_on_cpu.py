@@ -145,6 +145,29 @@ def test_quiet_console_restores_the_streams_before_an_error_propagates(tmp_path)
     assert "FSDPActorConfig" in path.read_text()
 
 
+def test_the_root_loggers_console_handler_is_filtered_too(tmp_path):
+    """Hydra's handler writes verl's driver-side logging to the real stdout."""
+    import logging
+
+    console = io.StringIO()
+    handler = logging.StreamHandler(console)
+    handler.setFormatter(logging.Formatter("[%(name)s][%(levelname)s] - %(message)s"))  # Hydra's, less the time
+    root = logging.getLogger()
+    root.addHandler(handler)
+    saved = sys.stdout
+    sys.stdout = console
+    try:
+        with quiet_console(tmp_path / "console.log"):
+            root.warning("Platform override from VERL_PLATFORM: cpu")
+            root.error("reward worker died")
+        root.warning("after")
+    finally:
+        sys.stdout = saved
+        root.removeHandler(handler)
+    assert console.getvalue().splitlines() == ["[root][ERROR] - reward worker died", "[root][WARNING] - after"]
+    assert "Platform override" in (tmp_path / "console.log").read_text()
+
+
 def test_verbose_leaves_the_streams_alone(tmp_path):
     saved = sys.stdout, sys.stderr
     with quiet_console(tmp_path / "console.log", verbose=True) as path:

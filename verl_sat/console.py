@@ -15,14 +15,16 @@ dump, TransferQueue's and verl's warnings, ...). Kept:
 
 An exception that ends the run is raised in the driver after the streams are restored, so its
 whole traceback (with the worker's, which Ray attaches) prints as usual. ``sat.verbose=true``
-leaves the streams alone. Ray's and Hydra's ``logging`` handlers hold the real streams and are
-not filtered (a few lines: Ray's start-up notice, its errors about dead workers).
+leaves the streams alone. The root logger's stream handlers (Hydra's, which verl's driver-side
+``logging`` reaches) are pointed at the splitters too; Ray's own logger keeps the real stream,
+unfiltered (two lines at start-up, and its errors about dead workers).
 """
 
 from __future__ import annotations
 
 import contextlib
 import io
+import logging
 import re
 import sys
 import threading
@@ -152,13 +154,28 @@ def quiet_console(log_path: Path, verbose: bool = False) -> Iterator[Path | None
         out = ConsoleSplitter(saved[0], log, line_filter, lock, "stdout")
         err = ConsoleSplitter(saved[1], log, line_filter, lock, "stderr")
         sys.stdout, sys.stderr = out, err
+        handlers = redirect_root_handlers({id(saved[0]): out, id(saved[1]): err})
         try:
             yield log_path
         finally:
-            for stream in (out, err):
-                stream.close_pending()
-                stream.flush()
+            for handler, stream in handlers:
+                handler.setStream(stream)
+            for splitter in (out, err):
+                splitter.close_pending()
+                splitter.flush()
             sys.stdout, sys.stderr = saved
+
+
+def redirect_root_handlers(streams: dict[int, TextIO]) -> list[tuple[logging.StreamHandler, TextIO]]:
+    """Point the root logger's stream handlers (Hydra's console handler: verl's driver-side
+    ``logging``) at the splitters; returns ``(handler, old stream)`` pairs to restore."""
+    redirected = []
+    for handler in logging.getLogger().handlers:
+        stream = getattr(handler, "stream", None)
+        if isinstance(handler, logging.StreamHandler) and id(stream) in streams:
+            redirected.append((handler, stream))
+            handler.setStream(streams[id(stream)])
+    return redirected
 
 
 def quiet_sources() -> None:
