@@ -75,8 +75,25 @@ def test_a_worker_traceback_reaches_the_console_in_full_amid_other_output():
     for i, message in enumerate(WORKER_TRACEBACK):
         lines += [ray_line(source, message), CHATTER[i % len(CHATTER)], own_stdout]
     kept = shown(lines + [ray_line(source, "Total steps: 4, num_warmup_steps: 0")])
-    expected = WORKER_TRACEBACK[:5] + WORKER_TRACEBACK[6:]  # the blank line after an exception line is dropped
-    assert kept == [ray_line(source, m) for m in expected], kept
+    assert kept == [ray_line(source, m) for m in WORKER_TRACEBACK if m], kept  # blank lines dropped
+
+
+def test_a_remote_traceback_inside_a_ray_task_error_is_kept_whole():
+    """Ray's RayTaskError line, then the remote worker's frames, then its exception line."""
+    source = "AgentLoopWorkerTQ pid=7"
+    block = [
+        "Traceback (most recent call last):",
+        '  File "/venv/verl/experimental/agent_loop/agent_loop.py", line 1026, in _compute_score',
+        "    result = await selected_reward_loop_worker_handle.compute_score.remote(data)",
+        "ray.exceptions.RayTaskError(ValueError): ray::RewardLoopWorker.compute_score() (pid=23483, ip=192.0.2.2)",
+        '  File "/venv/verl/trainer/ppo/reward.py", line 38, in _call_with_kwargs',
+        "    return raw_fn(*args, **merged_kwargs)",
+        '  File "/tmp/badreward/reward.py", line 2, in compute_score',
+        "    raise ValueError('deliberate')",
+        "MyFault",  # an exception line in no usual form still ends the frames
+    ]
+    after = [ray_line(source, "Using dataset class: RLHFDataset"), ray_line(source, "Total steps: 4")]
+    assert shown([ray_line(source, m) for m in block] + after) == [ray_line(source, m) for m in block]
 
 
 @pytest.mark.parametrize(
@@ -93,6 +110,29 @@ def test_a_worker_traceback_reaches_the_console_in_full_amid_other_output():
 def test_error_lines_are_kept(message):
     assert shown([ray_line("WorkerDict pid=2", message)]) == [ray_line("WorkerDict pid=2", message)]
     assert shown([message]) == [message]  # from the driver too
+
+
+def test_a_flood_of_one_error_is_capped_and_a_new_error_still_shows():
+    """A failing reward retried for every sample: thousands of identical tracebacks."""
+    source = "AgentLoopWorkerTQ pid=7"
+    one = [ray_line(source, m) for m in WORKER_TRACEBACK if m]
+    uid = "{:08x}-dfad-41ee-b9b8-bf1c09047c99"  # verl logs each failing prompt's uid
+    error = "ERROR:2026-12-01 09:47:44,814:Error in _run_prompt for uid="
+    errors = [ray_line(source, error + uid.format(i)) for i in range(50)]
+    lines = [line for error in errors for line in [*one, error]]
+    new = [ray_line(source, m) for m in ("Traceback (most recent call last):", "  File x", "OSError: disk full")]
+    kept = shown(lines + new)
+    full = [line for error in errors[:3] for line in [*one, error]]
+    assert kept[: len(full)] == full  # the first three in full
+    assert len(kept) == len(full) + 2 and kept[-1] == new[-1]  # a notice, then only the new exception line
+    assert "more tracebacks from (AgentLoopWorkerTQ pid=7)" in kept[len(full)]
+
+
+def test_a_repeated_error_line_shows_three_times_then_a_notice():
+    errors = [f"2026-12-01 09:47:{i:02d},814 - ERROR - transfer_queue - put failed for key {i}" for i in range(20)]
+    kept = shown(errors + ["2026-12-01 09:48:00,000 - ERROR - transfer_queue - controller gone"])
+    assert kept[:3] == errors[:3] and "this error repeats" in kept[3]
+    assert kept[4:] == ["2026-12-01 09:48:00,000 - ERROR - transfer_queue - controller gone"]
 
 
 def test_raylet_lines_are_kept():

@@ -228,3 +228,17 @@ def test_breakdown_sums_are_reduced_alike_by_verls_step_aggregator():
     for s in range(8):
         assert step[f"actor/sat_by_staleness/{s}/mismatch_abs_mean"] == pytest.approx(expected, rel=1e-6)
         assert step[f"actor/sat_by_staleness/{s}/token_frac"] == pytest.approx(1 / 8)
+
+
+@pytest.mark.parametrize(
+    "node,message",
+    [
+        ({"verbose": "yes"}, "sat.verbose must be true or false, got 'yes'"),
+        ({"default_assets": 1}, "sat.default_assets must be true or false, got 1"),
+        ({"method": ""}, "sat.method must be a non-empty name or null"),
+    ],
+)
+def test_recipe_flags_are_validated(node, message):
+    with pytest.raises(ValueError, match=message):
+        SATRecipeConfig.from_node(OmegaConf.create(node))
+    assert SATRecipeConfig.from_node(OmegaConf.create({"verbose": True})).verbose is True

@@ -11,7 +11,9 @@ dump, TransferQueue's and verl's warnings, ...). Kept:
 - verl's console-logger lines (``step:N - ...``, when ``trainer.logger`` includes ``console``);
 - errors, in full: a traceback from its first line to the exception line (per worker), lines
   at ERROR / CRITICAL / FATAL level, exception lines, fatal signals, OOM kills, and all of
-  Ray's raylet lines.
+  Ray's raylet lines. Repeats are capped: a worker's first MAX_FULL_TRACEBACKS tracebacks show
+  whole, later ones by their exception line if it is new; an error line shows MAX_REPEATS
+  times, then one notice (everything stays in console.log).
 
 An exception that ends the run is raised in the driver after the streams are restored, so its
 whole traceback (with the worker's, which Ray attaches) prints as usual. ``sat.verbose=true``
@@ -28,12 +30,20 @@ import logging
 import re
 import sys
 import threading
+from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TextIO
 
 CONSOLE_LOG = "console.log"
+# A worker's first tracebacks show in full; after that only exception lines not seen before
+# (a failing reward function retried for every sample would otherwise print thousands).
+MAX_FULL_TRACEBACKS = 3
+# An error line (same text up to numbers and ids) shows this many times, then once a notice.
+MAX_REPEATS = 3
+# Numbers, hex ids and UUID parts, blanked when errors are compared.
+NUMBERS_RE = re.compile(r"0x[0-9a-fA-F]+|\b[0-9a-fA-F]{4,}\b|[0-9a-fA-F]*\d[0-9a-fA-F]*")
 
 ANSI_RE = re.compile(r"\x1b\[[0-9;]*m")
 # Ray's prefix of a forwarded worker line: "(TaskRunnerV1 pid=123)" or "(pid=123, ip=10.0.0.1)".
@@ -58,10 +68,22 @@ ERROR_RE = re.compile(
 
 @dataclass
 class LineFilter:
-    """Decides, line by line, what reaches the terminal (module docstring); keeps per-worker
-    traceback state, since Ray interleaves the lines of several workers."""
+    """Decides, line by line, what reaches the terminal (module docstring).
 
-    in_traceback: set[tuple[str, str]] = field(default_factory=set)
+    Tracebacks are followed per (stream, worker), since Ray interleaves the lines of several
+    workers: from ``Traceback ...`` through the frames (indented lines) to the exception line;
+    indented lines right after an exception line continue the block (Ray's ``RayTaskError(X):``
+    line is followed by the remote worker's frames), as do chained tracebacks and further
+    exception lines. Blank lines inside a block are dropped.
+    """
+
+    # (stream, source) -> "frames" (inside a traceback) | "exception" (just after an exception line)
+    # | "chained" (after "The above exception ..." / "During handling ...")
+    blocks: dict[tuple[str, str], str] = field(default_factory=dict)
+    # tracebacks started per (stream, source); past MAX_FULL_TRACEBACKS only new exception lines show
+    tracebacks: Counter = field(default_factory=Counter)
+    # error lines (and exception lines) shown, by their text with numbers and ids blanked
+    errors: Counter = field(default_factory=Counter)
 
     def console_text(self, line: str, stream: str = "stderr") -> str | None:
         """The text to show for ``line`` (without its newline), or None to keep it off the console.
@@ -73,22 +95,60 @@ class LineFilter:
         match = RAY_PREFIX_RE.match(plain)
         message = match["message"] if match else plain
         source = (stream, match["source"] if match else "driver")
-        if source in self.in_traceback:
-            if not message[:1].isspace() and not message.startswith(TRACEBACK_START) and message.strip():
-                self.in_traceback.discard(source)  # the exception line ends the traceback
-            return line
+        if source in self.blocks:
+            shown = self._in_block(source, message, line)
+            if shown is not False:
+                return shown
         if message.lstrip().startswith(TRACEBACK_START):
-            self.in_traceback.add(source)
-            return line
+            self.blocks[source] = "frames"
+            self.tracebacks[source] += 1
+            if self.tracebacks[source] == MAX_FULL_TRACEBACKS + 1:
+                notice = f"[verl-sat] more tracebacks from ({source[1]}): only new exception lines"
+                return f"{notice} (every one in full: {CONSOLE_LOG})"
+            return self._full(source, line)
         if VERL_SAT_RE.search(message):
             return message[VERL_SAT_RE.search(message).start() :]
         if source[1].startswith("raylet") or ERROR_RE.search(message):
-            return line
+            return self._repeat(message, line)
         bars = PROGRESS_RE.findall(message)
         if bars:
             return bars[-1]
         if STEP_LOG_RE.match(message):
             return message
+        return None
+
+    def _in_block(self, source: tuple[str, str], message: str, line: str) -> str | None | bool:
+        """Inside a traceback: the text to show, None (a blank line), or False (the block ended)."""
+        if not message.strip():
+            return None
+        if message.startswith(TRACEBACK_START[0]) and self.blocks[source] == "exception":
+            return False  # a new traceback, not a chained one: counted as such below
+        if message.startswith(TRACEBACK_START[1:]):
+            self.blocks[source] = "chained"
+            return self._full(source, line)
+        if message[:1].isspace() or message.startswith(TRACEBACK_START):
+            self.blocks[source] = "frames"
+            return self._full(source, line)
+        if self.blocks[source] != "exception" or ERROR_RE.search(message):
+            self.blocks[source] = "exception"  # the exception line (whatever its form)
+            key = NUMBERS_RE.sub("#", message)
+            self.errors[key] += 1
+            return line if self.tracebacks[source] <= MAX_FULL_TRACEBACKS or self.errors[key] == 1 else None
+        del self.blocks[source]
+        return False
+
+    def _full(self, source: tuple[str, str], line: str) -> str | None:
+        """A traceback line: shown while this worker has had at most MAX_FULL_TRACEBACKS."""
+        return line if self.tracebacks[source] <= MAX_FULL_TRACEBACKS else None
+
+    def _repeat(self, message: str, line: str) -> str | None:
+        """An error line: shown the first MAX_REPEATS times its text (numbers and ids blanked) comes."""
+        key = NUMBERS_RE.sub("#", message)
+        self.errors[key] += 1
+        if self.errors[key] <= MAX_REPEATS:
+            return line
+        if self.errors[key] == MAX_REPEATS + 1:
+            return f"[verl-sat] (this error repeats; every occurrence is in {CONSOLE_LOG}) {message[:120]}"
         return None
 
 

@@ -8,10 +8,13 @@ works, e.g. ``verl-sat sat.lag=8`` or ``actor_rollout_ref.actor.policy_loss.loss
 What it adds around verl's ``run_ppo``:
 1. ``sat:`` settings validated (``SATRecipeConfig``), ``sat.lag`` mapped onto verl's v1 keys
    (``verl_sat.schedule``), AsyncSATActor selected (``trainer_mode=sat_<mode>``);
-2. a run directory (printed at start; ``sat.run_dir=``) with ``run.json`` and ``metrics.jsonl``
-   (verl's file logger: one JSON line per step);
-3. one progress line per step (step, reward, SAT gate rate, dbar_pi, staleness, seconds) and
-   a closing summary.
+2. the embedded default (``sat.default_assets``) filling only the keys left null, and every
+   path checked before Ray starts;
+3. a run directory (printed at start; ``sat.run_dir=``) with ``run.json`` (the method that ran,
+   what the default filled) and ``metrics.jsonl`` (verl's file logger: one JSON line per step);
+4. one progress line per step (step, reward, SAT gate rate, dbar_pi, staleness, seconds) and
+   a closing summary, on a console that Ray's and the workers' output does not drown
+   (``verl_sat.console``; ``sat.verbose=true`` shows it).
 """
 
 from __future__ import annotations
@@ -360,14 +363,14 @@ def run(cfg: DictConfig) -> list[dict[str, Any]]:
     """Run verl's v1 trainer on ``cfg``; returns the per-step metrics."""
     sat, run_dir = prepare(cfg)
     print(f"[verl-sat] run_dir: {run_dir}", flush=True)
-    import ray
-    from verl.trainer.main_ppo import TaskRunnerV1, run_ppo
-    from verl.trainer.ppo.utils import need_critic, need_reference_policy
-    from verl.utils.config import validate_config
-
     announce_console(run_dir, sat.verbose)
     quiet_sources()
     with quiet_console(run_dir / CONSOLE_LOG, sat.verbose):
+        import ray
+        from verl.trainer.main_ppo import TaskRunnerV1, run_ppo
+        from verl.trainer.ppo.utils import need_critic, need_reference_policy
+        from verl.utils.config import validate_config
+
         validate_config(config=cfg, use_reference_policy=need_reference_policy(cfg), use_critic=need_critic(cfg))
         printer = ProgressPrinter(run_dir / METRICS_FILE)
         printer.start()
