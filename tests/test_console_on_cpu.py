@@ -116,9 +116,8 @@ def test_a_flood_of_one_error_is_capped_and_a_new_error_still_shows():
     """A failing reward retried for every sample: thousands of identical tracebacks."""
     source = "AgentLoopWorkerTQ pid=7"
     one = [ray_line(source, m) for m in WORKER_TRACEBACK if m]
-    uid = "{:08x}-dfad-41ee-b9b8-bf1c09047c99"  # verl logs each failing prompt's uid
-    error = "ERROR:2026-12-01 09:47:44,814:Error in _run_prompt for uid="
-    errors = [ray_line(source, error + uid.format(i)) for i in range(50)]
+    error = "ERROR:2026-12-01 09:47:44,814:Error in _run_prompt for uid="  # verl logs each failing prompt's uuid
+    errors = [ray_line(source, f"{error}{i:08x}-{'abcdef'[i % 6] * 4}-41ee-b9b8-bf1c09047c99") for i in range(50)]
     lines = [line for error in errors for line in [*one, error]]
     new = [ray_line(source, m) for m in ("Traceback (most recent call last):", "  File x", "OSError: disk full")]
     kept = shown(lines + new)
