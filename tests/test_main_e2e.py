@@ -32,7 +32,7 @@ def assets(tmp_path_factory) -> Path:
 
 
 def run_main(assets: Path, run_dir: Path, *overrides: str) -> tuple[list[dict], str]:
-    """Run the main job; returns the metrics rows ({"step", **data}) and its stdout."""
+    """Run the main job; returns the metrics rows ({"step", **data}) and its console (stdout, then stderr)."""
     cmd = [
         sys.executable,
         "-m",
@@ -47,7 +47,7 @@ def run_main(assets: Path, run_dir: Path, *overrides: str) -> tuple[list[dict], 
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-5000:]
     lines = (run_dir / "metrics.jsonl").read_text().splitlines()
     rows = [{"step": r["step"], **r["data"]} for r in map(json.loads, lines)]
-    return rows, out.stdout
+    return rows, out.stdout + out.stderr
 
 
 def check_sat_run(rows: list[dict], lag: int) -> None:
@@ -77,6 +77,9 @@ def test_default_job_separate_async_lag2(assets, tmp_path):
     assert run["config"]["trainer"]["v1"]["sampler"]["max_off_policy_strategy"] == "wait"
     assert all(r["training/off_policy/evicted_samples"] == 0 for r in rows)
     assert "[verl-sat] step    2 |" in stdout and "[verl-sat] 2 steps in" in stdout
+    # a readable console: Ray's and the workers' output (TaskRunner's config dump) is in console.log
+    assert len(stdout.splitlines()) <= 30, stdout
+    assert "FSDPActorConfig" in (tmp_path / "run" / "console.log").read_text() and "FSDPActorConfig" not in stdout
 
 
 def step_gate_rate(row: dict) -> float:

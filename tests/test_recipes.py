@@ -263,6 +263,15 @@ def test_cell_names_and_run_dir(cells: dict, method: str, lag: int) -> None:
     assert cfg["trainer"]["val_before_train"]
 
 
+@pytest.mark.parametrize(("method", "lag"), ALL_CELLS)
+def test_derived_method_is_the_cells(cells: dict, method: str, lag: int) -> None:
+    """What the config runs, read back from verl's keys, is the Table-1 row the cell is named
+    after (base: the untrained model, evaluated with GRPO's settings)."""
+    from verl_sat.paper_table import derive_method
+
+    assert derive_method(OmegaConf.create(cells[(method, lag)])) == ("grpo" if method == "base" else method)
+
+
 @pytest.mark.parametrize(("method", "lag"), METHOD_CELLS)
 def test_cell_instantiates_verl_dataclasses(cells: dict, method: str, lag: int) -> None:
     from verl.trainer.config import AlgoConfig

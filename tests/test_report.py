@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 from verl_sat.paper_table import PAPER_TABLE1, normalize_method, paper_row
 from verl_sat.report import (
     CollapseRule,
+    Run,
     as_percent,
     build_rows,
     find_acc_key,
@@ -21,6 +22,8 @@ from verl_sat.report import (
     load_run,
     main,
     read_metrics,
+    run_label,
+    run_styles,
 )
 
 RUNS = Path(__file__).parent / "fixtures" / "runs"
@@ -54,6 +57,7 @@ def test_paper_table_complete() -> None:
         ("GRPO + TIS + R3", "grpo_tis_r3"),
         ("vanilla", "grpo"),
         ("dppo_tv", "dppo"),
+        ("dppo_tv_r3", "dppo_r3"),
         ("base_model", "base"),
         ("my-new-thing", "my_new_thing"),
     ],
@@ -205,3 +209,14 @@ def test_collapse_rule_is_affine_invariant(values: list[float], scale: float, sh
     assume(abs(_collapse_margin(values, rule)) > 1e-6)  # exact ties may round either way
     transformed = [scale * v + shift for v in values]
     assert rule.collapsed(_series(values)) == rule.collapsed(_series(transformed))
+
+
+def test_every_run_is_drawn_alike_by_no_other() -> None:
+    """Two runs of one method (two seeds, or an R3 run labelled like a plain one) stay apart."""
+    runs = [Run(f"seed{k}", Path("."), "sat_gspo", 2) for k in range(6)] + [Run("plain", Path("."), "gspo", 2)]
+    styles = run_styles(runs)
+    drawn = {(s["color"], s["ls"], s.get("marker")) for s in styles}
+    assert len(drawn) == len(runs)
+    assert len({s["color"] for s in styles}) == 2  # a colour per method
+    assert [s["label"] for s in styles][:2] == ["sat_gspo · seed0", "sat_gspo · seed1"]
+    assert run_label(Run("sat_gspo_r3-lag8", Path("."), "sat_gspo_r3", 8)) == "sat_gspo_r3-lag8"

@@ -287,3 +287,17 @@ def test_runtime_env_keeps_a_users_file_logger_path(monkeypatch):
     cfg = OmegaConf.create({})
     pass_env_to_ray(cfg)
     assert cfg.ray_kwargs.ray_init.runtime_env.env_vars == {"VERL_FILE_LOGGER_PATH": "/run/metrics.jsonl"}
+
+
+@pytest.mark.parametrize(
+    "node,message",
+    [
+        ({"verbose": "yes"}, "sat.verbose must be true or false, got 'yes'"),
+        ({"default_assets": 1}, "sat.default_assets must be true or false, got 1"),
+        ({"method": ""}, "sat.method must be a non-empty name or null"),
+    ],
+)
+def test_recipe_flags_are_validated(node, message):
+    with pytest.raises(ValueError, match=message):
+        SATRecipeConfig.from_node(OmegaConf.create(node))
+    assert SATRecipeConfig.from_node(OmegaConf.create({"verbose": True})).verbose is True

@@ -8,11 +8,14 @@ works, e.g. ``verl-sat sat.lag=8`` or ``actor_rollout_ref.actor.policy_loss.loss
 What it adds around verl's ``run_ppo``:
 1. ``sat:`` settings validated (``SATRecipeConfig``), ``sat.lag`` mapped onto verl's v1 keys
    (``verl_sat.schedule``), AsyncSATActor selected (``trainer_mode=sat_<mode>``);
-2. a run directory (printed at start; ``sat.run_dir=``) with ``run.json`` and ``metrics.jsonl``
-   (verl's file logger: one JSON line per step; its path reaches the Ray workers through the
-   job's runtime environment, ``pass_env_to_ray``);
-3. one progress line per step (step, reward, SAT gate rate, dbar_pi, staleness, seconds) and
-   a closing summary.
+2. the embedded default (``sat.default_assets``) filling only the keys left null, and every
+   path checked before Ray starts;
+3. a run directory (printed at start; ``sat.run_dir=``) with ``run.json`` (the method that ran,
+   what the default filled) and ``metrics.jsonl`` (verl's file logger: one JSON line per step;
+   its path reaches the Ray workers through the job's runtime environment, ``pass_env_to_ray``);
+4. one progress line per step (step, reward, SAT gate rate, dbar_pi, staleness, seconds) and
+   a closing summary, on a console that Ray's and the workers' output does not drown
+   (``verl_sat.console``; ``sat.verbose=true`` shows it).
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import re
 import shutil
 import threading
 import time
@@ -27,8 +31,10 @@ from pathlib import Path
 from typing import Any
 
 import hydra
-from omegaconf import DictConfig, OmegaConf, open_dict
+from omegaconf import DictConfig, ListConfig, OmegaConf, open_dict
 
+from verl_sat.console import CONSOLE_LOG, quiet_console, quiet_sources
+from verl_sat.paper_table import derive_method
 from verl_sat.paths import hydra_config_dir
 from verl_sat.schedule import (
     SATRecipeConfig,
@@ -87,22 +93,6 @@ def build_assets_once(assets: Path) -> None:
         if target != assets:
             os.replace(target, assets)
         print(f"[verl-sat] warm-up done: sampled accuracy {info['sampled_accuracy']:.2f}", flush=True)
-
-
-def ensure_default_assets(cfg: DictConfig, sat: SATRecipeConfig) -> None:
-    """Build (once, ~1 min) and point the config at the embedded tiny model, data and reward."""
-    from verl_sat.default import reward
-
-    assets = Path(sat.assets_dir) if sat.assets_dir else default_assets_dir()
-    model_dir, data_dir = assets / "model", assets / "data"
-    if not assets_complete(assets):
-        build_assets_once(assets)
-    with open_dict(cfg):
-        cfg.actor_rollout_ref.model.path = str(model_dir)
-        cfg.data.train_files = str(data_dir / "train.parquet")
-        cfg.data.val_files = str(data_dir / "val.parquet")
-        cfg.reward.custom_reward_function.path = reward.__file__
-        cfg.reward.custom_reward_function.name = "compute_score"
 
 
 def make_run_dir(cfg: DictConfig, sat: SATRecipeConfig) -> Path:
@@ -170,6 +160,112 @@ def set_platform_env(cfg: DictConfig) -> None:
         os.environ.setdefault("OMP_NUM_THREADS", "1")
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
         os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+
+
+# ---------------------------------------------------------------------------------------------
+# the embedded default: fills only what the user left unset
+# ---------------------------------------------------------------------------------------------
+MODEL_PATH_KEY = "actor_rollout_ref.model.path"
+TOKENIZER_PATH_KEY = "actor_rollout_ref.model.tokenizer_path"
+TRAIN_FILES_KEY = "data.train_files"
+VAL_FILES_KEY = "data.val_files"
+REWARD_PATH_KEY = "reward.custom_reward_function.path"
+REWARD_NAME_KEY = "reward.custom_reward_function.name"
+LEGACY_REWARD_PATH_KEY = "custom_reward_function.path"  # verl's old top-level node, migrated by verl
+REWARD_FUNCTION = "compute_score"
+# Keys a run cannot start without (checked whether or not the embedded default fills them).
+REQUIRED_KEYS = (MODEL_PATH_KEY, TRAIN_FILES_KEY, VAL_FILES_KEY)
+# A Hugging Face Hub id ("org/name"): verl downloads it, so it need not exist locally.
+HUB_ID_RE = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+
+def is_unset(cfg: DictConfig, key: str) -> bool:
+    """The user left ``key`` unset: null, ``???`` or absent (our default configs leave these null)."""
+    return OmegaConf.select(cfg, key, default=None) is None
+
+
+def default_values(assets: Path) -> dict[str, str]:
+    """What the embedded default puts in each key (``assets``: the built model and data)."""
+    from verl_sat.default import reward
+
+    return {
+        MODEL_PATH_KEY: str(assets / "model"),
+        TRAIN_FILES_KEY: str(assets / "data" / "train.parquet"),
+        VAL_FILES_KEY: str(assets / "data" / "val.parquet"),
+        REWARD_PATH_KEY: reward.__file__,
+    }
+
+
+def keys_to_fill(cfg: DictConfig) -> list[str]:
+    """The embedded default's keys the user left unset (the reward also counts as set through
+    verl's legacy top-level ``custom_reward_function.path``)."""
+    keys = [k for k in (MODEL_PATH_KEY, TRAIN_FILES_KEY, VAL_FILES_KEY) if is_unset(cfg, k)]
+    if is_unset(cfg, REWARD_PATH_KEY) and is_unset(cfg, LEGACY_REWARD_PATH_KEY):
+        keys.append(REWARD_PATH_KEY)
+    return keys
+
+
+def ensure_default_assets(cfg: DictConfig, sat: SATRecipeConfig) -> dict[str, str]:
+    """Fill each key of the embedded default that the user left unset; returns ``{key: value}`` filled.
+
+    A value the user passed (command line, their own config, a recipe) is kept, whatever it is;
+    our default configs leave the four keys null so that "null" is what "unset" means. The tiny
+    model and data are built (once, ~1 min) only when the model or a data split is to be filled.
+    The reward's function name defaults to ``compute_score``; a name the user set must exist in
+    the embedded reward module.
+    """
+    from verl_sat.default import reward
+
+    fill = keys_to_fill(cfg)
+    assets = Path(sat.assets_dir) if sat.assets_dir else default_assets_dir()
+    if any(k != REWARD_PATH_KEY for k in fill) and not assets_complete(assets):
+        build_assets_once(assets)
+    values = default_values(assets)
+    filled = {key: values[key] for key in fill}
+    if REWARD_PATH_KEY in fill:
+        name = OmegaConf.select(cfg, REWARD_NAME_KEY, default=None)
+        if name is None:
+            filled[REWARD_NAME_KEY] = REWARD_FUNCTION
+        elif not callable(getattr(reward, str(name), None)):
+            raise ValueError(
+                f"{REWARD_NAME_KEY}={name!r} is not a function of the embedded reward {reward.__file__} "
+                f"(it has {REWARD_FUNCTION!r}); set {REWARD_PATH_KEY}= to your own reward file or drop the name"
+            )
+    with open_dict(cfg):
+        for key, value in filled.items():
+            OmegaConf.update(cfg, key, value, merge=False)
+    return filled
+
+
+def is_remote(path: str) -> bool:
+    """A URL (``hdfs://``, ``s3://``, ...): verl copies it, so it is not checked here."""
+    return "://" in path
+
+
+def check_local_path(key: str, value: Any, hub_ok: bool = False) -> None:
+    """``value`` (a path or a list of paths) exists; ``hub_ok``: a Hub id ``org/name`` may be remote."""
+    for item in value if isinstance(value, (list, tuple, ListConfig)) else [value]:
+        path = str(item)
+        if is_remote(path) or Path(path).expanduser().exists():
+            continue
+        if hub_ok and HUB_ID_RE.match(path):
+            continue  # a Hub id, downloaded by verl
+        raise FileNotFoundError(f"{key}: {path} does not exist (resolved: {Path(path).expanduser().resolve()})")
+
+
+def check_paths(cfg: DictConfig) -> None:
+    """Fail before Ray starts when a required key is unset or a path the config names is missing."""
+    for key in REQUIRED_KEYS:
+        if is_unset(cfg, key):
+            raise ValueError(f"{key} is not set: pass {key}=PATH (or sat.default_assets=true for the embedded default)")
+    check_local_path(TRAIN_FILES_KEY, OmegaConf.select(cfg, TRAIN_FILES_KEY))
+    check_local_path(VAL_FILES_KEY, OmegaConf.select(cfg, VAL_FILES_KEY))
+    check_local_path(MODEL_PATH_KEY, OmegaConf.select(cfg, MODEL_PATH_KEY), hub_ok=True)
+    if not is_unset(cfg, TOKENIZER_PATH_KEY):
+        check_local_path(TOKENIZER_PATH_KEY, OmegaConf.select(cfg, TOKENIZER_PATH_KEY), hub_ok=True)
+    for key in (REWARD_PATH_KEY, LEGACY_REWARD_PATH_KEY):
+        if not is_unset(cfg, key):
+            check_local_path(key, OmegaConf.select(cfg, key))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -246,10 +342,14 @@ def summary(rows: list[dict[str, Any]], seconds: float) -> str:
 # entry point
 # ---------------------------------------------------------------------------------------------
 def prepare(cfg: DictConfig) -> tuple[SATRecipeConfig, Path]:
-    """Validate ``sat:``, build assets, map lag/actor onto verl keys, make the run directory."""
+    """Validate ``sat:``, fill what the user left unset, map lag/actor onto verl keys, make the run
+    directory and write its ``run.json``; every path is checked here, before Ray starts."""
+    derived = label_method(cfg)
     sat = SATRecipeConfig.from_node(cfg.get("sat"))
-    if sat.default_assets:
-        ensure_default_assets(cfg, sat)
+    filled = ensure_default_assets(cfg, sat) if sat.default_assets else {}
+    if filled:
+        print(f"[verl-sat] embedded default fills what was left unset: {', '.join(filled)}", flush=True)
+    check_paths(cfg)
     apply_lag(cfg, sat.lag)
     apply_actor(cfg, sat.actor)
     apply_routing_replay(cfg, sat.routing_replay)
@@ -259,37 +359,76 @@ def prepare(cfg: DictConfig) -> tuple[SATRecipeConfig, Path]:
     set_platform_env(cfg)
     run_dir = make_run_dir(cfg, sat)
     pass_env_to_ray(cfg)
+    write_run_record(run_dir, cfg, sat, derived, filled)
     return sat, run_dir
+
+
+def label_method(cfg: DictConfig) -> str:
+    """The method the config runs (``derive_method``); fills ``sat.method`` when left null.
+
+    Runs before anything resolves ``sat.method`` (``sat_paper.yaml`` names the experiment and
+    run directory after it). Returns the derived label, also when an explicit one wins.
+    """
+    derived = derive_method(cfg)
+    if is_unset(cfg, "sat.method"):
+        with open_dict(cfg):
+            OmegaConf.update(cfg, "sat.method", derived, merge=False)
+    return derived
+
+
+def write_run_record(
+    run_dir: Path, cfg: DictConfig, sat: SATRecipeConfig, derived: str, filled: dict[str, str]
+) -> None:
+    """``run.json``: the method (explicit ``sat.method`` or derived), the lag, the values the
+    embedded default filled in, and the resolved config."""
+    record = {
+        "method": sat.method,
+        "method_derived": derived,
+        "lag": sat.lag,
+        "filled_by_default": filled,
+        "config": OmegaConf.to_container(cfg, resolve=True),
+    }
+    (run_dir / "run.json").write_text(json.dumps(record, indent=1))
 
 
 def run(cfg: DictConfig) -> list[dict[str, Any]]:
     """Run verl's v1 trainer on ``cfg``; returns the per-step metrics."""
     sat, run_dir = prepare(cfg)
     print(f"[verl-sat] run_dir: {run_dir}", flush=True)
-    (run_dir / "run.json").write_text(
-        json.dumps(
-            {"method": sat.method, "lag": sat.lag, "config": OmegaConf.to_container(cfg, resolve=True)}, indent=1
-        )
-    )
-    import ray
-    from verl.trainer.main_ppo import TaskRunnerV1, run_ppo
-    from verl.trainer.ppo.utils import need_critic, need_reference_policy
-    from verl.utils.config import validate_config
+    announce_console(run_dir, sat.verbose)
+    quiet_sources()
+    with quiet_console(run_dir / CONSOLE_LOG, sat.verbose):
+        import ray
+        from verl.trainer.main_ppo import TaskRunnerV1, run_ppo
+        from verl.trainer.ppo.utils import need_critic, need_reference_policy
+        from verl.utils.config import validate_config
 
-    validate_config(config=cfg, use_reference_policy=need_reference_policy(cfg), use_critic=need_critic(cfg))
-    printer = ProgressPrinter(run_dir / METRICS_FILE)
-    printer.start()
-    start = time.perf_counter()
-    try:
-        run_ppo(cfg, task_runner_class=TaskRunnerV1)
-    finally:
-        printer.stop()
-        if ray.is_initialized():
-            ray.shutdown()
+        validate_config(config=cfg, use_reference_policy=need_reference_policy(cfg), use_critic=need_critic(cfg))
+        printer = ProgressPrinter(run_dir / METRICS_FILE)
+        printer.start()
+        start = time.perf_counter()
+        try:
+            run_ppo(cfg, task_runner_class=TaskRunnerV1)
+        finally:
+            printer.stop()
+            if ray.is_initialized():
+                ray.shutdown()
     rows = read_metrics(run_dir / METRICS_FILE)
     print(summary(rows, time.perf_counter() - start), flush=True)
     print(f"[verl-sat] metrics: {run_dir / METRICS_FILE}", flush=True)
     return rows
+
+
+def announce_console(run_dir: Path, verbose: bool) -> None:
+    """Say where Ray's and the workers' output goes (``verl_sat.console``)."""
+    if verbose:
+        print("[verl-sat] sat.verbose=true: Ray's and the workers' output shown as it comes", flush=True)
+    else:
+        print(
+            f"[verl-sat] Ray and worker output: {run_dir / CONSOLE_LOG} (errors still show here; "
+            "sat.verbose=true shows everything)",
+            flush=True,
+        )
 
 
 @hydra.main(config_path=str(hydra_config_dir()), config_name="sat_gspo_cpu", version_base=None)

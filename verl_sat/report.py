@@ -412,6 +412,35 @@ def _colors(methods: Sequence[str]) -> dict[str, Any]:
     return {m: cmap(i % 20) for i, m in enumerate(ordered)}
 
 
+# Runs of one method share its colour and differ in line style, then marker (24 runs a method).
+LINESTYLES = ("-", "--", ":", "-.")
+MARKERS = (None, "o", "s", "^", "D", "v")
+
+
+def run_label(run: Run) -> str:
+    """The legend entry: the run's name, led by its method unless the name already starts with it."""
+    if run.name == run.method or run.name.startswith(f"{run.method}-"):
+        return run.name
+    return f"{run.method} · {run.name}"
+
+
+def run_styles(runs: Sequence[Run]) -> list[dict[str, Any]]:
+    """``plot`` keywords for each run (aligned with ``runs``): a colour per method, and a line style
+    (then a marker) per run of that method, so that no two runs are drawn alike."""
+    colors = _colors([r.method for r in runs])
+    seen: dict[str, int] = {}
+    styles = []
+    for run in runs:
+        k = seen.get(run.method, 0)
+        seen[run.method] = k + 1
+        style: dict[str, Any] = {"color": colors[run.method], "ls": LINESTYLES[k % len(LINESTYLES)]}
+        marker = MARKERS[(k // len(LINESTYLES)) % len(MARKERS)]
+        if marker is not None:
+            style.update(marker=marker, markevery=0.1, ms=4)
+        styles.append({**style, "label": run_label(run)})
+    return styles
+
+
 def ema(values: Sequence[float], alpha: float) -> list[float]:
     """Exponential moving average with weight ``alpha`` on the past (0 = no smoothing)."""
     out, acc = [], None
@@ -456,19 +485,19 @@ def plot_series(
     """One panel per lag, one line per run: ``key_fn(run) -> Series``; ``paper(method, lag)`` adds a marker."""
     plt = _pyplot()
     lags = _panel_lags(runs)
-    colors = _colors([r.method for r in runs])
+    styles = run_styles(runs)
     fig, axes = plt.subplots(1, len(lags), figsize=(5.5 * len(lags), 4), squeeze=False, sharey=True)
     for ax, lag in zip(axes[0], lags, strict=True):
         plotted = False
-        for run in (r for r in runs if r.lag == lag):
-            series = key_fn(run)
+        for run, style in zip(runs, styles, strict=True):
+            series = key_fn(run) if run.lag == lag else []
             if not series:
                 continue
             steps = [s for s, _ in series]
-            ax.plot(steps, ema([v for _, v in series], smooth), label=run.name, color=colors[run.method], lw=1.4)
+            ax.plot(steps, ema([v for _, v in series], smooth), lw=1.4, **style)
             value = paper(run.method, lag) if paper else None
             if value is not None:
-                ax.plot([steps[-1]], [value], marker="*", ms=11, color=colors[run.method], ls="none")
+                ax.plot([steps[-1]], [value], marker="*", ms=11, color=style["color"], ls="none")
             plotted = True
         finish_lag_panel(ax, lag, plotted, "step")
     return save_panels(fig, axes, ylabel, title, path)
@@ -506,17 +535,17 @@ def plot_sat_gate(runs: Sequence[Run], path: Path, smooth: float = 0.0) -> Path:
     """SAT's gate rate (top) and reference q (bottom) over training, one column per lag."""
     plt = _pyplot()
     lags = _panel_lags(runs)
-    colors = _colors([r.method for r in runs])
+    styles = run_styles(runs)
     fig, axes = plt.subplots(2, len(lags), figsize=(5.5 * len(lags), 6.5), squeeze=False, sharex="col")
     for col, lag in enumerate(lags):
         for row, (key, label) in enumerate(((GATE_RATE_KEY, "gate rate"), (Q_KEY, "q (alpha-quantile of |d|)"))):
             ax = axes[row][col]
             plotted = False
-            for run in (r for r in runs if r.lag == lag):
-                series = run.series(key)
+            for run, style in zip(runs, styles, strict=True):
+                series = run.series(key) if run.lag == lag else []
                 if series:
                     steps = [s for s, _ in series]
-                    ax.plot(steps, ema([v for _, v in series], smooth), label=run.name, color=colors[run.method])
+                    ax.plot(steps, ema([v for _, v in series], smooth), **style)
                     plotted = True
             if plotted:
                 ax.legend(fontsize=7)

@@ -48,20 +48,24 @@ class SATRecipeConfig:
         lag: optimizer steps between weight broadcasts (paper: 1 or 8), >= 1.
         routing_replay: ``disabled`` | ``R2`` | ``R3`` (SPEC §6).
         run_dir: where the run writes metrics.jsonl, run.json and checkpoints.
-        method: the Table-1 row this run stands for (for the report).
+        method: the Table-1 row this run stands for (for the report); None: derived from the
+            loss, rollout correction and routing replay (``verl_sat.paper_table.derive_method``).
         actor: use AsyncSATActor (``trainer_mode=sat_<mode>``: per-sample staleness + diagnostics).
         default_assets: build the embedded tiny model and task (CPU default) if missing.
         assets_dir: where the embedded default's model and data are cached.
+        verbose: show Ray's, TransferQueue's and the workers' output on the console (default: only
+            verl-sat's lines, verl's progress bar and errors; the rest goes to the run's console.log).
         sentinel: the collapse sentinel (``verl_sat.sentinel.SentinelConfig``, docs/sentinel.md).
     """
 
     lag: int = 1
     routing_replay: str = "disabled"
     run_dir: str | None = None
-    method: str = "sat_gspo"
+    method: str | None = None
     actor: bool = True
     default_assets: bool = False
     assets_dir: str | None = None
+    verbose: bool = False
     sentinel: SentinelConfig = field(default_factory=SentinelConfig)
 
     def __post_init__(self) -> None:
@@ -71,6 +75,11 @@ class SATRecipeConfig:
             raise ValueError(
                 f"sat.routing_replay must be one of {list(ROUTING_REPLAY_MODES)}, got {self.routing_replay!r}"
             )
+        if self.method is not None and (not isinstance(self.method, str) or not self.method.strip()):
+            raise ValueError(f"sat.method must be a non-empty name or null (derived), got {self.method!r}")
+        for name in ("actor", "default_assets", "verbose"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"sat.{name} must be true or false, got {getattr(self, name)!r}")
 
     @classmethod
     def from_node(cls, node: Any) -> SATRecipeConfig:
