@@ -71,8 +71,10 @@ def test_overrides_compose_and_validate(
     from verl.workers.config import McoreActorConfig, RolloutConfig
 
     from verl_sat import SATPolicyLossConfig
+    from verl_sat import main
     from verl_sat.main import prepare
 
+    monkeypatch.setattr(main, "check_paths", lambda cfg: None)  # the dry run does not build the assets
     monkeypatch.setenv("VERL_FILE_LOGGER_PATH", "restored after the test")  # prepare sets it
     tmp, lines = commands
     cfg = compose(main_overrides(lines[invocation]))
