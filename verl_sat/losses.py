@@ -24,7 +24,8 @@ from verl.trainer.ppo import core_algos
 from verl.trainer.ppo.core_algos import agg_loss, compute_policy_loss_gspo, compute_policy_loss_vanilla
 
 from verl_sat.config import POLICY_LOSS_KEY, SATPolicyLossConfig, sat_settings
-from verl_sat.sat_rule import SATFactors, intercepted, sat_clip, sat_factors
+from verl_sat.fused import Surrogate, sequence_surrogate, token_surrogate
+from verl_sat.sat_rule import SATFactors
 
 LOG_RATIO_CLAMP = 20.0  # verl's vanilla clamps log r to [-20, 20] before exp
 GSPO_LOG_RATIO_MAX = 10.0  # verl's gspo clamps log s_{b,t} at 10 before exp
@@ -196,6 +197,7 @@ def compute_policy_loss_sat(
     eps_low~ = eps_low * c_minus(d),  eps_high~ = eps_high * c_plus(d)     (SPEC §2 steps 1-6)
     S   = min(r A, clip(r, 1 - eps_low~, 1 + eps_high~) A);  loss = -S     (SPEC §2 step 7)
     plus verl's dual clip for A < 0: loss = min(loss, -A * clip_ratio_c).
+    Computed by ``fused.token_surrogate``; with no token gated, verl's ``vanilla`` itself.
     """
     assert config is not None, "the sat loss needs the actor config (clip ratios, policy_loss)"
     sat: SATPolicyLossConfig = sat_settings(config.policy_loss)
@@ -203,68 +205,18 @@ def compute_policy_loss_sat(
     if not sat.sat_enabled:
         return _disabled(compute_policy_loss_vanilla, args, response_mask)
     eps_low, eps_high = clip_radii(config)
-    mask = response_mask.bool()
-    n_active = int(mask.sum().item())
-    if n_active == 0:
-        return empty_batch(log_prob, eps_low, eps_high)
     clip_ratio_c = config.get("clip_ratio_c", 3.0)
     if not clip_ratio_c > 1.0:
         raise ValueError(f"actor_rollout_ref.actor.clip_ratio_c must be > 1.0 (dual clip), got {clip_ratio_c}")
-
-    log_ratio = torch.clamp(log_prob - old_log_prob, min=-LOG_RATIO_CLAMP, max=LOG_RATIO_CLAMP)  # log r_{b,t}
-    ratio = torch.exp(log_ratio)  # r_{b,t}
+    rule = (sat.sat_alpha, sat.sat_kernel, sat.sat_kernel_exponent)
     ref = score_reference(sat, old_log_prob)
-    d = log_ratio if ref is old_log_prob else torch.clamp(log_prob - ref, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)  # d_{b,t}
-    f = sat_factors(d, mask, sat.sat_alpha, sat.sat_kernel, sat.sat_kernel_exponent)
-    _record(f)
-
-    pg_losses1 = -advantages * ratio  # -r A
-    pg_losses2 = -advantages * sat_clip(ratio, f, eps_low, eps_high)  # -clip(r, 1 - eps_low~, 1 + eps_high~) A
-    clip_pg_losses1 = torch.maximum(pg_losses1, pg_losses2)  # -S
-    pg_losses3 = -advantages * clip_ratio_c  # dual clip bound for A < 0
-    clip_pg_losses2 = torch.min(pg_losses3, clip_pg_losses1)
-    pg_losses = torch.where(advantages < 0, clip_pg_losses2, clip_pg_losses1)
-    if rollout_is_weights is not None:
-        pg_losses = pg_losses * rollout_is_weights
-    pg_loss = agg_loss(
-        loss_mat=pg_losses, loss_mask=response_mask, loss_agg_mode=loss_agg_mode, **config.global_batch_info
-    )
-
-    m = response_mask.to(ratio.dtype)
     mu = mu_log_prob(old_log_prob)
-    abs_d = (d if mu is ref else torch.clamp(log_prob - mu, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)).detach().abs()
-    base = [
-        masked_mean(torch.gt(pg_losses2, pg_losses1).to(m.dtype), m),  # actor/pg_clipfrac
-        -(log_ratio.detach() * m).sum() / n_active,  # actor/ppo_kl
-        masked_mean((torch.gt(clip_pg_losses1, pg_losses3) & (advantages < 0)).to(m.dtype), m),
-    ]
-    return pg_loss, _metrics(f, n_active, eps_low, eps_high, ratio, advantages, abs_d, m, base)
+    out = token_surrogate(
+        log_prob, old_log_prob, advantages, response_mask, ref, mu, rule, eps_low, eps_high, clip_ratio_c
+    )
+    return _finish(out, compute_policy_loss_vanilla, args, eps_low, eps_high)
 
 
-def _metrics(
-    f: SATFactors,
-    n_active: int,
-    eps_low: float,
-    eps_high: float,
-    ratio: torch.Tensor,
-    advantages: torch.Tensor,
-    abs_d: torch.Tensor,
-    m: torch.Tensor,
-    base: list[torch.Tensor],
-) -> dict[str, Any]:
-    """verl's three loss metrics + SAT's (SPEC §5), one device-to-host transfer."""
-    n_intercepted = intercepted(ratio, advantages, f, eps_low, eps_high)
-    abs_d_sum = (abs_d * m).sum()
-    values = sat_metrics(f, n_active, eps_low, eps_high, n_intercepted, abs_d_sum, base)
-    names = ["actor/pg_clipfrac", "actor/ppo_kl", "actor/pg_clipfrac_lower"] + SAT_METRIC_NAMES
-    metrics = dict(zip(names, values, strict=True))
-    metrics["actor/sat_gate_rate"] = f.idx.numel() / n_active  # mean 1{q > 0, |d| > q} over T_act
-    return metrics
-
-
-# ---------------------------------------------------------------------------------------------
-# ALGO LOGIC: SAT on verl's gspo (sequence level, SPEC §3)
-# ---------------------------------------------------------------------------------------------
 def compute_policy_loss_sat_gspo(
     old_log_prob: torch.Tensor,
     log_prob: torch.Tensor,
@@ -281,6 +233,7 @@ def compute_policy_loss_sat_gspo(
                 (decoupled, SPEC §4: rho_b against pi_old, d_{b,t} from the same mean against mu)
     s_{b,t}   = sg[rho_b] * pi_{b,t} / sg[pi_{b,t}]                         (GSPO-token gradient form)
     S = min(s A, clip(s, 1 - eps_low~, 1 + eps_high~) A);  loss = -S
+    Computed by ``fused.sequence_surrogate``; with no token gated, verl's ``gspo`` itself.
     """
     assert config is not None, "the sat_gspo loss needs the actor config (clip ratios, policy_loss)"
     sat: SATPolicyLossConfig = sat_settings(config.policy_loss)
@@ -288,43 +241,32 @@ def compute_policy_loss_sat_gspo(
     if not sat.sat_enabled:
         return _disabled(compute_policy_loss_gspo, args, response_mask)
     eps_low, eps_high = clip_radii(config)
-    mask = response_mask.bool()
-    n_active = int(mask.sum().item())
-    if n_active == 0:
-        return empty_batch(log_prob, eps_low, eps_high)
-
-    negative_approx_kl = log_prob - old_log_prob  # log r_{b,t}
-    seq_lengths = torch.sum(response_mask, dim=-1).clamp(min=1)
-    log_rho = torch.sum(negative_approx_kl * response_mask, dim=-1) / seq_lengths  # log rho_b
-    log_s = log_prob - log_prob.detach() + log_rho.detach().unsqueeze(-1)  # log s_{b,t}
-    log_s = torch.clamp(log_s, max=GSPO_LOG_RATIO_MAX)
-    s = torch.exp(log_s)
-
+    rule = (sat.sat_alpha, sat.sat_kernel, sat.sat_kernel_exponent)
     ref = score_reference(sat, old_log_prob)
-    log_rho_score = log_rho if ref is old_log_prob else torch.sum((log_prob - ref) * response_mask, -1) / seq_lengths
-    d = log_rho_score.detach().unsqueeze(-1).expand_as(log_prob)  # sequence score on every token
-    f = sat_factors(d, mask, sat.sat_alpha, sat.sat_kernel, sat.sat_kernel_exponent)
-    _record(f)
+    mu = mu_log_prob(old_log_prob)
+    out = sequence_surrogate(log_prob, old_log_prob, advantages, response_mask, ref, mu, rule, eps_low, eps_high)
+    return _finish(out, compute_policy_loss_gspo, args, eps_low, eps_high)
 
-    pg_losses1 = -advantages * s
-    pg_losses2 = -advantages * sat_clip(s, f, eps_low, eps_high)
-    pg_losses = torch.maximum(pg_losses1, pg_losses2)  # -S
-    if rollout_is_weights is not None:
-        pg_losses = pg_losses * rollout_is_weights
+
+def _finish(
+    out: Surrogate | None, base_fn, args: tuple, eps_low: float, eps_high: float
+) -> tuple[torch.Tensor, dict[str, Any]]:
+    """Aggregate -S as verl does, or, with no token gated, return verl's own loss (bit-identical)."""
+    old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config, rollout_is_weights = args
+    if out is None:
+        return empty_batch(log_prob, eps_low, eps_high)
+    _record(out.factors)
+    metrics = dict(out.metrics)
+    if out.n_gated == 0:
+        mask = response_mask.bool()  # padding may hold -inf / NaN log-probs: verl's loss stays finite
+        clean = (torch.where(mask, old_log_prob, 0.0), torch.where(mask, log_prob, 0.0))
+        loss, base = base_fn(*clean, advantages, response_mask, loss_agg_mode, config, rollout_is_weights)
+        return loss, {**metrics, **base}
+    pg_losses = out.loss if rollout_is_weights is None else out.loss * rollout_is_weights
     pg_loss = agg_loss(
         loss_mat=pg_losses, loss_mask=response_mask, loss_agg_mode=loss_agg_mode, **config.global_batch_info
     )
-
-    m = response_mask.to(s.dtype)
-    token_d = negative_approx_kl.detach()
-    mu = mu_log_prob(old_log_prob)
-    abs_d = (token_d if mu is old_log_prob else (log_prob - mu).detach()).abs()  # token-level |log pi - log mu|
-    base = [
-        masked_mean(torch.gt(pg_losses2, pg_losses1).to(m.dtype), m),  # actor/pg_clipfrac
-        -(token_d * m).sum() / n_active,  # actor/ppo_kl
-        torch.zeros((), dtype=m.dtype, device=m.device),  # actor/pg_clipfrac_lower (no dual clip in GSPO)
-    ]
-    return pg_loss, _metrics(f, n_active, eps_low, eps_high, s, advantages, abs_d, m, base)
+    return pg_loss, metrics
 
 
 # ---------------------------------------------------------------------------------------------

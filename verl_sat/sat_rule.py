@@ -10,6 +10,7 @@ Reinforcement Learning", https://arxiv.org/abs/2607.18722
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from fractions import Fraction
@@ -31,23 +32,32 @@ def quantile_rank(alpha: float, n: int) -> int:
     return max(1, math.ceil(exact * n))
 
 
+def top_m(x: torch.Tensor, m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The m largest entries of the flat x and their flat indices, unordered: the selection step.
+
+    ``torch.topk`` is a selection (no full sort, no 16M-element limit unlike ``torch.quantile``);
+    we do not use ``torch.kthvalue``, whose CPU quickselect degrades to O(n^2) on descending input
+    (30 s for 1M elements, measured). This is the one place a faster exact selection plugs in.
+    """
+    work = x.reshape(-1)
+    work = work if work.dtype in _SELECT_DTYPES else work.float()
+    top = torch.topk(work, m, sorted=False)
+    return top.values, top.indices
+
+
 def masked_quantile(x: torch.Tensor, mask: torch.Tensor, alpha: float) -> torch.Tensor:
     """q = the alpha-quantile of x over mask, inverse-CDF convention, by selection (SPEC §2 step 2).
 
     The smallest v in x[mask] with #{x[mask] <= v} / n >= alpha, i.e. the k-th smallest with
-    k = ceil(alpha n), read as the minimum of the m = n - k + 1 largest. ``torch.topk`` is a
-    selection (no full sort, no 16M-element limit unlike ``torch.quantile``); we do not use
-    ``torch.kthvalue``, whose CPU quickselect degrades to O(n^2) on descending input (30 s for
-    1M elements, measured). Inactive positions are set to -inf so they never enter the top m.
-    Returns 0 when mask is empty.
+    k = ceil(alpha n), read as the minimum of the m = n - k + 1 largest (``top_m``). Inactive
+    positions are set to -inf so they never enter the top m. Returns 0 when mask is empty.
     """
     n = int(mask.sum().item())
     if n == 0:
         return torch.zeros((), dtype=x.dtype, device=x.device)
     m = n - quantile_rank(alpha, n) + 1
-    work = x if x.dtype in _SELECT_DTYPES else x.float()
-    work = work.masked_fill(~mask, float("-inf")).reshape(-1)
-    return torch.topk(work, m, sorted=False).values.min().to(x.dtype)
+    values, _ = top_m(x.masked_fill(~mask, float("-inf")), m)
+    return values.min().to(x.dtype)
 
 
 def kernel_psi(u: torch.Tensor, q: torch.Tensor, kernel: str, exponent: float) -> torch.Tensor:
@@ -70,19 +80,27 @@ class SATFactors:
 
     Only gated tokens (at most a fraction 1 - alpha of T_act) carry a contraction, so the
     factors are kept at those tokens: ``idx`` indexes the flattened score, ``c`` = psi(|d|; q)
-    there, ``positive`` = sign(d) > 0 there. ``c_plus`` / ``c_minus`` give the dense view.
+    there, ``positive`` = sign(d) > 0 there. ``gate``, ``c_plus`` and ``c_minus`` give the dense
+    view of the score's ``shape``, built only when read.
     """
 
     q: torch.Tensor  # () the batch reference
-    gate: torch.Tensor  # bool, shape of d: 1{mask, q > 0, |d| > q}
     idx: torch.Tensor  # (G,) flat indices of the gated tokens
     c: torch.Tensor  # (G,) psi(|d|; q) at the gated tokens, in (0, 1/2); fp32 or wider
     positive: torch.Tensor  # (G,) bool, d > 0 at the gated tokens
+    shape: torch.Size  # the score's shape
+
+    @functools.cached_property
+    def gate(self) -> torch.Tensor:
+        """bool, shape of d: 1{mask, q > 0, |d| > q}."""
+        out = torch.zeros(self.shape, dtype=torch.bool, device=self.idx.device).reshape(-1)
+        out[self.idx] = True
+        return out.view(self.shape)
 
     def _dense(self, side: torch.Tensor) -> torch.Tensor:
-        out = torch.ones(self.gate.shape, dtype=self.c.dtype, device=self.c.device).reshape(-1)
+        out = torch.ones(self.shape, dtype=self.c.dtype, device=self.c.device).reshape(-1)
         out[self.idx[side]] = self.c[side]
-        return out.view(self.gate.shape)
+        return out.view(self.shape)
 
     @property
     def c_plus(self) -> torch.Tensor:
@@ -107,17 +125,32 @@ def sat_factors(d: torch.Tensor, mask: torch.Tensor, alpha: float, kernel: str, 
     A gated token has exactly one of u_plus, u_minus equal to |d_sg| > 0 and the other 0, where
     psi(0) = 1: so only the endpoint on the side of sign(d) can move.
     """
-    d_sg = d.detach()
     mask = mask.bool()
-    a = d_sg.abs()
-    q = masked_quantile(a, mask, alpha)
-    gate = mask & (a > q) & (q > 0)
-    idx = gate.reshape(-1).nonzero().squeeze(-1)
-    d_gated = d_sg.reshape(-1)[idx]
+    d_sg = d.detach().masked_fill(~mask, 0.0)  # padding may hold anything, -inf and NaN included
+    return padded_factors(d_sg, int(mask.sum().item()), alpha, kernel, exponent)
+
+
+def padded_factors(d: torch.Tensor, n: int, alpha: float, kernel: str, exponent: float) -> SATFactors:
+    """``sat_factors`` for a detached score that holds 0 at every one of its padding positions.
+
+    The n active |d| are >= 0 = every padding |d|, so the k-th smallest active |d| is the minimum
+    of the m = n - k + 1 largest of all positions: the selection needs no mask, and its indices
+    are the candidates for the gate (the gated tokens are among the m largest).
+    """
+    a = d.abs()
+    if n == 0:
+        q = torch.zeros((), dtype=d.dtype, device=d.device)
+        idx = torch.zeros(0, dtype=torch.long, device=d.device)
+    else:
+        values, indices = top_m(a, n - quantile_rank(alpha, n) + 1)
+        q_sel = values.min()
+        q = q_sel.to(d.dtype)
+        idx = indices[(values > q_sel) & (q_sel > 0)]
+    d_gated = d.reshape(-1)[idx]
     # the kernel in at least fp32: in bf16, u/q just above 1 rounds psi up to exactly 1/2
-    work = torch.promote_types(d_sg.dtype, torch.float32)
+    work = torch.promote_types(d.dtype, torch.float32)
     c = kernel_psi(d_gated.abs().to(work), q.to(work), kernel, exponent)
-    return SATFactors(q=q, gate=gate, idx=idx, c=c, positive=d_gated > 0)
+    return SATFactors(q=q, idx=idx, c=c, positive=d_gated > 0, shape=d.shape)
 
 
 def gated_bounds(f: SATFactors, eps_low: float, eps_high: float) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,0 +1,295 @@
+"""SAT's clipped surrogates in few passes, with a closed-form backward (SPEC §2 step 7, §3).
+
+verl's ``vanilla`` and ``gspo`` build -S from about ten autograd ops, and autograd walks them
+all back. Per token, -S is a product -A * r_eff with r_eff one of r, a clip endpoint or the dual
+clip's c, so (-A) * r_eff equals verl's max/min chain bit for bit (a product with a fixed factor
+is monotone in fp). Its gradient in log pi is
+
+    d(-S)/d log pi = (g * -A) * r   where r_eff = r (not clipped),   0 elsewhere,
+
+the very products, in the very order, that autograd forms for verl's loss (g: the gradient of the
+aggregated loss at the token, from verl's own ``agg_loss``). Only at exact rounding ties of
+max/min (r within one ulp of a clip endpoint, where two products round equal) does autograd split
+the gradient in half; here it flows whole or not at all. ``losses.py`` therefore calls verl's
+own loss when no token is gated, so that case stays bit-identical even there.
+
+The two forward paths below compute the SAT terms on the gated tokens only (token level) or on
+the sequences (sequence level: the score is constant along a response, so q is a length-weighted
+quantile of B values), and read every metric from tensors the loss needs anyway, in one
+device-to-host transfer. Device-agnostic: plain torch ops, no host loops over tokens.
+
+Paper: https://arxiv.org/abs/2607.18722 (SAT); GSPO: https://arxiv.org/abs/2507.18071
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from verl_sat.sat_rule import SATFactors, kernel_psi, padded_factors, quantile_rank
+
+LOG_RATIO_CLAMP = 20.0  # verl's vanilla clamps log r to [-20, 20] before exp
+GSPO_LOG_RATIO_MAX = 10.0  # verl's gspo clamps log s_{b,t} at 10 before exp
+
+
+class ClippedSurrogate(torch.autograd.Function):
+    """-S_{b,t} as a function of log pi_{b,t}; forward hands back the precomputed per-token loss.
+
+    backward: d(-S)/d log pi = (g * neg_adv) * ratio_kept, with ratio_kept = r where the token
+    is active and not clipped (and inside verl's log-ratio clamp), 0 elsewhere.
+    """
+
+    @staticmethod
+    def forward(ctx, log_prob, loss, neg_adv, ratio_kept):  # noqa: ARG004 (log_prob: the grad's target)
+        ctx.save_for_backward(neg_adv, ratio_kept)
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad):
+        neg_adv, ratio_kept = ctx.saved_tensors
+        return grad * neg_adv * ratio_kept, None, None, None
+
+
+@dataclass
+class Surrogate:
+    """One micro-batch's fused forward: the per-token loss, the rule's factors, the metrics
+    (None stands for a micro-batch without active tokens)."""
+
+    loss: torch.Tensor  # (B, T) -S, differentiable in log pi through ClippedSurrogate
+    factors: SATFactors  # q and the gated tokens (dense views on demand)
+    n_gated: int  # |{active tokens with q > 0, |d| > q}|
+    metrics: dict[str, float]  # verl's three loss metrics and SAT's (SPEC §5)
+
+
+def endpoints(dtype: torch.dtype, device: torch.device, eps_low: float, eps_high: float):
+    """1 - eps_low and 1 + eps_high, cast as verl's clamp casts its Python-scalar bounds."""
+    lo = torch.tensor(1.0 - eps_low, dtype=dtype, device=device)
+    hi = torch.tensor(1.0 + eps_high, dtype=dtype, device=device)
+    return lo, hi
+
+
+def padded_log_ratio(lp: torch.Tensor, ref: torch.Tensor, response_mask: torch.Tensor, clamp: bool) -> torch.Tensor:
+    """log pi - log ref at active tokens (clamped to +-20 if asked), 0 at padding, whatever it holds."""
+    x = lp - ref
+    if clamp:
+        x = x.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    return torch.where(response_mask.bool(), x, 0.0)
+
+
+def _masked(x: torch.Tensor, response_mask: torch.Tensor, fallback) -> tuple[torch.Tensor, int]:
+    """(x * mask, n active) in one transfer, or ``fallback()`` where padding held -inf or NaN
+    (which x * mask turns into NaN). ``x`` is multiplied in place when the dtypes allow."""
+    x = x.mul_(response_mask) if x.dtype == torch.promote_types(x.dtype, response_mask.dtype) else x * response_mask
+    n, total = torch.stack([torch.count_nonzero(response_mask).double(), x.sum().double()]).tolist()
+    return (x if math.isfinite(total) else fallback().to(x.dtype)), int(n)
+
+
+def _kept(loss: torch.Tensor, p1: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
+    """1{-S = -A r} at active tokens, 0 elsewhere, as a float tensor of the loss's dtype."""
+    return torch.eq(loss, p1, out=torch.empty_like(loss)).mul_(response_mask)
+
+
+def _gated_bound(adv: torch.Tensor, positive: torch.Tensor, c: torch.Tensor, eps_low: float, eps_high: float):
+    """The clip endpoint that binds at a gated token (SPEC §2 step 6): 1 + eps_high c_plus for
+    A > 0, 1 - eps_low c_minus for A < 0, where c_plus = c if d > 0 and c_minus = c if d < 0, else 1."""
+    upper = torch.where(positive, 1.0 + eps_high * c, 1.0 + eps_high)
+    lower = torch.where(positive, 1.0 - eps_low, 1.0 - eps_low * c)
+    return torch.where(adv > 0, upper, lower)
+
+
+def _band(r: torch.Tensor, adv: torch.Tensor, bound: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor):
+    """{A > 0, 1 + eps_high~ < r < 1 + eps_high} or {A < 0, 1 - eps_low < r < 1 - eps_low~}."""
+    return ((adv > 0) & (r > bound) & (r < hi)) | ((adv < 0) & (r < bound) & (r > lo))
+
+
+def _sat_values(c: torch.Tensor, positive: torch.Tensor, weight: torch.Tensor | None, q: torch.Tensor):
+    """q, min c, and sum (1 - c) over the gated tokens with d < 0 and with d > 0 (SPEC §5)."""
+    one = torch.ones((), dtype=torch.float64, device=c.device)
+    shrink = (1.0 - c).double() if weight is None else (1.0 - c).double() * weight
+    return [
+        q.double(),
+        c.min().double() if c.numel() else one,
+        shrink[~positive].sum(),
+        shrink[positive].sum(),
+    ]
+
+
+def _metrics(names: list[str], stats: list[float], n: int, eps_low: float, eps_high: float) -> dict[str, float]:
+    v = dict(zip(names, stats, strict=True))
+    return {
+        "actor/pg_clipfrac": (n - v["unclipped"] - v["lower"]) / n,
+        "actor/ppo_kl": -v["d_sum"] / n,
+        "actor/pg_clipfrac_lower": v["lower"] / n,
+        "actor/sat_q": v["q"],
+        "actor/sat_c_min": v["c_min"],
+        "actor/sat_eps_low_mean": eps_low * (1 - v["shrink_low"] / n),  # mean(eps_low c_minus)
+        "actor/sat_eps_high_mean": eps_high * (1 - v["shrink_high"] / n),  # mean(eps_high c_plus)
+        "actor/sat_intercepted_frac": v["band"] / n,  # clipped by SAT, not by the base loss
+        "actor/mismatch_abs_mean": v["abs_sum"] / n,  # dbar_pi (paper Eq. 52)
+    }
+
+
+STAT_NAMES = ["unclipped", "lower", "d_sum", "abs_sum", "band", "extreme", "q", "c_min", "shrink_low", "shrink_high"]
+
+
+def token_surrogate(
+    log_prob: torch.Tensor,
+    old_log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    score_ref: torch.Tensor,
+    mu: torch.Tensor,
+    rule: tuple[float, str, float],
+    eps_low: float,
+    eps_high: float,
+    clip_ratio_c: float,
+) -> Surrogate | None:
+    """SAT-PPO's -S with verl's dual clip (SPEC §2), as ``ClippedSurrogate``.
+
+    d   = clamp(log pi - log pi_old, -20, 20) at active tokens, 0 at padding
+    r   = exp(d)                                                    (the tensor verl exponentiates)
+    -S  = clamp(-A r, -A b, c |A|),  b = 1 + eps_high~ (A > 0) or 1 - eps_low~ (A < 0)
+        = max(-A r, -A clip(r, 1 - eps_low~, 1 + eps_high~)), then min(., -A c) for A < 0
+    ``rule`` = (alpha, kernel, exponent). The score d (and dbar_pi) use ``score_ref`` (``mu``).
+    """
+    alpha, kernel, exponent = rule
+    with torch.no_grad():
+        lp = log_prob.detach()
+        d, n = _masked(
+            torch.sub(lp, old_log_prob).clamp_(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP),
+            response_mask,
+            lambda: padded_log_ratio(lp, old_log_prob, response_mask, clamp=True),
+        )
+        if n == 0:
+            return None
+        ds = d if score_ref is old_log_prob else padded_log_ratio(lp, score_ref, response_mask, clamp=True)
+        f = padded_factors(ds, n, alpha, kernel, exponent)
+        ratio = torch.exp(d)
+        lo, hi = endpoints(ratio.dtype, ratio.device, eps_low, eps_high)
+        neg_adv = -advantages
+        bound = torch.lerp(lo, hi, torch.sign(advantages).clamp_(min=0))  # 1 + eps_high if A > 0, else 1 - eps_low
+        n_band = torch.zeros((), dtype=torch.float64, device=d.device)
+        if f.idx.numel():
+            adv_g = advantages.reshape(-1)[f.idx]
+            bound_g = _gated_bound(adv_g, f.positive, f.c, eps_low, eps_high).to(bound.dtype)
+            bound.view(-1)[f.idx] = bound_g
+            n_band = _band(ratio.reshape(-1)[f.idx], adv_g, bound_g, lo, hi).sum().double()
+        p1 = neg_adv * ratio  # -A r
+        upper = advantages.abs().mul_(clip_ratio_c)  # -A c where A < 0 (dual clip); >= -S where A > 0
+        loss = torch.clamp(p1, neg_adv.mul(bound), upper)
+        kept = _kept(loss, p1, response_mask)
+        n_lower = torch.count_nonzero(p1.sub_(loss).clamp_(min=0))  # dual clip: -S < -A r
+        abs_d = d.abs() if mu is old_log_prob else padded_log_ratio(lp, mu, response_mask, clamp=True).abs_()
+        stats = [torch.count_nonzero(kept), n_lower, d.sum(), abs_d.sum(), n_band, d.amin()]
+        stats = torch.stack([t.double() for t in stats + _sat_values(f.c, f.positive, None, f.q)]).tolist()
+        ratio_kept = ratio.mul_(kept)
+        if stats[STAT_NAMES.index("extreme")] <= -LOG_RATIO_CLAMP:  # verl's clamp passes no gradient below
+            ratio_kept.mul_((lp - old_log_prob) >= -LOG_RATIO_CLAMP)
+    loss = ClippedSurrogate.apply(log_prob, loss, neg_adv, ratio_kept)
+    metrics = _metrics(STAT_NAMES, stats, n, eps_low, eps_high)
+    metrics["actor/sat_gate_rate"] = f.idx.numel() / n  # mean 1{q > 0, |d| > q} over T_act
+    return Surrogate(loss=loss, factors=f, n_gated=f.idx.numel(), metrics=metrics)
+
+
+def sequence_surrogate(
+    log_prob: torch.Tensor,
+    old_log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    score_ref: torch.Tensor,
+    mu: torch.Tensor,
+    rule: tuple[float, str, float],
+    eps_low: float,
+    eps_high: float,
+) -> Surrogate | None:
+    """SAT-GSPO's -S (SPEC §3), as ``ClippedSurrogate``.
+
+    log rho_b = sum_t (log pi - log pi_old) m / max(|y_b|, 1)      (verl's gspo, the same ops)
+    s_{b,t}   = exp(min(log rho_b, 10)), gradient form sg[rho_b] pi / sg[pi]
+    -S        = max(-A s, -A b),  b = 1 + eps_high~_b (A > 0) or 1 - eps_low~_b (A < 0)
+    The score is log rho_b on each of the |y_b| tokens of response b, so q is the length-weighted
+    quantile of B sequence scores and the contraction is per sequence.
+    """
+    alpha, kernel, exponent = rule
+    with torch.no_grad():
+        lp = log_prob.detach()
+        log_r = lp - old_log_prob
+        d, n = _masked(log_r, response_mask, lambda: padded_log_ratio(lp, old_log_prob, response_mask, False))
+        if n == 0:
+            return None
+        lengths = torch.sum(response_mask, dim=-1)
+        seq_lengths = lengths.clamp(min=1)
+        log_rho = torch.sum(d, dim=-1) / seq_lengths  # log rho_b
+        score = log_rho
+        if score_ref is not old_log_prob:
+            score = padded_log_ratio(lp, score_ref, response_mask, clamp=False).sum(-1) / seq_lengths
+        f, rows, lo_b, hi_b = sequence_factors(score, response_mask, n, rule, eps_low, eps_high)
+        s = torch.exp(log_rho.unsqueeze(-1).expand_as(lp).contiguous().clamp_(max=GSPO_LOG_RATIO_MAX))
+        neg_adv = -advantages
+        bound = torch.lerp(lo_b.unsqueeze(-1), hi_b.unsqueeze(-1), torch.sign(advantages).clamp_(min=0))
+        p1 = neg_adv * s  # -A s
+        loss = torch.maximum(p1, neg_adv.mul(bound))
+        kept = _kept(loss, p1, response_mask)
+        abs_d = d.abs() if mu is old_log_prob else padded_log_ratio(lp, mu, response_mask, clamp=False).abs_()
+        n_band = torch.zeros((), dtype=torch.float64, device=d.device)
+        if rows.numel():
+            lo, hi = endpoints(s.dtype, s.device, eps_low, eps_high)
+            band = _band(s[rows], advantages[rows], bound[rows].to(s.dtype), lo, hi)
+            n_band = (band & response_mask[rows].bool()).sum().double()
+        n_lower = torch.zeros((), dtype=torch.float64, device=d.device)  # no dual clip in GSPO
+        stats = [torch.count_nonzero(kept), n_lower, d.sum(), abs_d.sum(), n_band, log_rho.amax()]
+        c_rows, pos_rows = f.c, f.positive
+        stats = torch.stack([t.double() for t in stats + _sat_values(c_rows, pos_rows, None, f.q)]).tolist()
+        ratio_kept = s.mul_(kept)
+        if stats[STAT_NAMES.index("extreme")] > GSPO_LOG_RATIO_MAX:  # verl's clamp passes no gradient above
+            ratio_kept.mul_((log_rho <= GSPO_LOG_RATIO_MAX).unsqueeze(-1))
+    loss = ClippedSurrogate.apply(log_prob, loss, neg_adv, ratio_kept)
+    metrics = _metrics(STAT_NAMES, stats, n, eps_low, eps_high)
+    metrics["actor/pg_clipfrac_lower"] = 0.0
+    metrics["actor/sat_gate_rate"] = f.idx.numel() / n  # mean 1{q > 0, |d| > q} over T_act
+    return Surrogate(loss=loss, factors=f, n_gated=f.idx.numel(), metrics=metrics)
+
+
+def sequence_factors(
+    score: torch.Tensor,
+    response_mask: torch.Tensor,
+    n: int,
+    rule: tuple[float, str, float],
+    eps_low: float,
+    eps_high: float,
+) -> tuple[SATFactors, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The rule on a sequence score broadcast to its |y_b| active tokens (SPEC §2 steps 2-6, §3).
+
+    q = the k-th smallest, k = ceil(alpha n), of {|score_b| repeated |y_b| times}: the B scores
+    sorted once and their lengths accumulated (exact: integer counts in fp64). Returns the
+    token-level factors, the gated rows, and the per-row endpoints 1 - eps_low~_b, 1 + eps_high~_b
+    (the base endpoints, exactly, on ungated rows).
+    """
+    alpha, kernel, exponent = rule
+    lengths = torch.count_nonzero(response_mask, dim=-1)
+    a = score.abs()
+    lo = torch.full_like(score, 1.0 - eps_low)
+    hi = torch.full_like(score, 1.0 + eps_high)
+    if n == 0:
+        q = torch.zeros((), dtype=score.dtype, device=score.device)
+        rows = torch.zeros(0, dtype=torch.long, device=score.device)
+    else:
+        a_sorted, order = torch.sort(a)
+        cum = torch.cumsum(lengths[order], 0)
+        k = torch.tensor([quantile_rank(alpha, n)], dtype=cum.dtype, device=cum.device)
+        q = a_sorted[torch.searchsorted(cum, k)].reshape(())
+        rows = ((lengths > 0) & (a > q) & (q > 0)).nonzero().squeeze(-1)
+    work = torch.promote_types(score.dtype, torch.float32)
+    c_rows = kernel_psi(a[rows].to(work), q.to(work), kernel, exponent)
+    pos_rows = score[rows] > 0
+    hi[rows] = torch.where(pos_rows, 1.0 + eps_high * c_rows, 1.0 + eps_high).to(score.dtype)
+    lo[rows] = torch.where(pos_rows, 1.0 - eps_low, 1.0 - eps_low * c_rows).to(score.dtype)
+    # token view: the active tokens of the gated rows, each with its row's c and sign
+    width = response_mask.shape[-1]
+    cols = response_mask[rows].bool()
+    tok = cols.nonzero()
+    idx = rows[tok[:, 0]] * width + tok[:, 1]
+    f = SATFactors(q=q, idx=idx, c=c_rows[tok[:, 0]], positive=pos_rows[tok[:, 0]], shape=response_mask.shape)
+    return f, rows, lo, hi
