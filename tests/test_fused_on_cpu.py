@@ -127,7 +127,7 @@ def test_padding_holding_inf_or_nan_keeps_everything_finite(name, base, pad, whe
     assert (clean[2]["actor/sat_gate_rate"] > 0) == gated
     dirty = {k: v.clone() for k, v in b.items()}
     pad_at = ~b["response_mask"].bool()
-    for key in (["log_prob", "old_log_prob"] if where == "both" else [where]):
+    for key in ["log_prob", "old_log_prob"] if where == "both" else [where]:
         dirty[key][pad_at] = pad
     loss, grad, metrics = fused(name, dirty, agg, sat_alpha=0.5)
     assert torch.isfinite(loss) and torch.all(torch.isfinite(grad))
@@ -147,6 +147,5 @@ def test_sat_off_keeps_verls_loss_with_nan_padding(name, base):
     verl = get_policy_loss_fn(base)(
         b["old_log_prob"], lp, b["advantages"], b["response_mask"], "seq-mean-token-mean", actor_config(base)
     )[0]
-    assert torch.equal(off, verl.detach(), equal_nan=True) if hasattr(torch, "equal_nan") else (
-        off.isnan().item() == verl.isnan().item() and (off.isnan().item() or torch.equal(off, verl.detach()))
-    )
+    # verl's seq-mean aggregation multiplies the padding by 0: NaN * 0 is NaN, for both losses
+    assert torch.isnan(verl) and torch.isnan(off)
