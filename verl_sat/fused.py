@@ -57,10 +57,11 @@ class Surrogate:
     """One micro-batch's fused forward: the per-token loss, the rule's factors, the metrics
     (None stands for a micro-batch without active tokens)."""
 
-    loss: torch.Tensor  # (B, T) -S, differentiable in log pi through ClippedSurrogate
+    loss: torch.Tensor | None  # (B, T) -S, differentiable in log pi; None: no token gated
     factors: SATFactors  # q and the gated tokens (dense views on demand)
     n_gated: int  # |{active tokens with q > 0, |d| > q}|
     metrics: dict[str, float]  # verl's three loss metrics and SAT's (SPEC §5)
+    clean_padding: bool = True  # False: padding held -inf or NaN log-probs
 
 
 def endpoints(dtype: torch.dtype, device: torch.device, eps_low: float, eps_high: float):
@@ -78,12 +79,28 @@ def padded_log_ratio(lp: torch.Tensor, ref: torch.Tensor, response_mask: torch.T
     return torch.where(response_mask.bool(), x, 0.0)
 
 
-def _masked(x: torch.Tensor, response_mask: torch.Tensor, fallback) -> tuple[torch.Tensor, int]:
-    """(x * mask, n active) in one transfer, or ``fallback()`` where padding held -inf or NaN
-    (which x * mask turns into NaN). ``x`` is multiplied in place when the dtypes allow."""
+def _masked(x: torch.Tensor, response_mask: torch.Tensor, fallback) -> tuple[torch.Tensor, int, bool]:
+    """(x * mask, n active, clean) in one transfer, or ``fallback()`` where padding held -inf or
+    NaN (which x * mask turns into NaN). ``x`` is multiplied in place when the dtypes allow."""
     x = x.mul_(response_mask) if x.dtype == torch.promote_types(x.dtype, response_mask.dtype) else x * response_mask
     n, total = torch.stack([torch.count_nonzero(response_mask).double(), x.sum().double()]).tolist()
-    return (x if math.isfinite(total) else fallback().to(x.dtype)), int(n)
+    clean = math.isfinite(total)
+    return (x if clean else fallback().to(x.dtype)), int(n), clean
+
+
+def _ungated(f: SATFactors, n: int, abs_d: torch.Tensor, clean: bool, eps_low: float, eps_high: float) -> Surrogate:
+    """No token gated: SAT's metrics only; the loss is the base loss itself (``losses._finish``)."""
+    q, abs_sum = torch.stack([f.q.double(), abs_d.sum().double()]).tolist()
+    metrics = {
+        "actor/sat_q": q,
+        "actor/sat_gate_rate": 0.0,
+        "actor/sat_c_min": 1.0,
+        "actor/sat_eps_low_mean": eps_low,
+        "actor/sat_eps_high_mean": eps_high,
+        "actor/sat_intercepted_frac": 0.0,
+        "actor/mismatch_abs_mean": abs_sum / n,  # dbar_pi (paper Eq. 52)
+    }
+    return Surrogate(loss=None, factors=f, n_gated=0, metrics=metrics, clean_padding=clean)
 
 
 def _kept(loss: torch.Tensor, p1: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
@@ -157,7 +174,7 @@ def token_surrogate(
     alpha, kernel, exponent = rule
     with torch.no_grad():
         lp = log_prob.detach()
-        d, n = _masked(
+        d, n, clean = _masked(
             torch.sub(lp, old_log_prob).clamp_(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP),
             response_mask,
             lambda: padded_log_ratio(lp, old_log_prob, response_mask, clamp=True),
@@ -166,6 +183,9 @@ def token_surrogate(
             return None
         ds = d if score_ref is old_log_prob else padded_log_ratio(lp, score_ref, response_mask, clamp=True)
         f = padded_factors(ds, n, alpha, kernel, exponent)
+        abs_d = d.abs() if mu is old_log_prob else padded_log_ratio(lp, mu, response_mask, clamp=True).abs_()
+        if f.idx.numel() == 0:
+            return _ungated(f, n, abs_d, clean, eps_low, eps_high)
         ratio = torch.exp(d)
         lo, hi = endpoints(ratio.dtype, ratio.device, eps_low, eps_high)
         neg_adv = -advantages
@@ -181,7 +201,6 @@ def token_surrogate(
         loss = torch.clamp(p1, neg_adv.mul(bound), upper)
         kept = _kept(loss, p1, response_mask)
         n_lower = torch.count_nonzero(p1.sub_(loss).clamp_(min=0))  # dual clip: -S < -A r
-        abs_d = d.abs() if mu is old_log_prob else padded_log_ratio(lp, mu, response_mask, clamp=True).abs_()
         stats = [torch.count_nonzero(kept), n_lower, d.sum(), abs_d.sum(), n_band, d.amin()]
         stats = torch.stack([t.double() for t in stats + _sat_values(f.c, f.positive, None, f.q)]).tolist()
         ratio_kept = ratio.mul_(kept)
@@ -216,7 +235,7 @@ def sequence_surrogate(
     with torch.no_grad():
         lp = log_prob.detach()
         log_r = lp - old_log_prob
-        d, n = _masked(log_r, response_mask, lambda: padded_log_ratio(lp, old_log_prob, response_mask, False))
+        d, n, clean = _masked(log_r, response_mask, lambda: padded_log_ratio(lp, old_log_prob, response_mask, False))
         if n == 0:
             return None
         lengths = torch.sum(response_mask, dim=-1)
@@ -226,13 +245,15 @@ def sequence_surrogate(
         if score_ref is not old_log_prob:
             score = padded_log_ratio(lp, score_ref, response_mask, clamp=False).sum(-1) / seq_lengths
         f, rows, lo_b, hi_b = sequence_factors(score, response_mask, n, rule, eps_low, eps_high)
+        abs_d = d.abs() if mu is old_log_prob else padded_log_ratio(lp, mu, response_mask, clamp=False).abs_()
+        if f.idx.numel() == 0:
+            return _ungated(f, n, abs_d, clean, eps_low, eps_high)
         s = torch.exp(log_rho.unsqueeze(-1).expand_as(lp).contiguous().clamp_(max=GSPO_LOG_RATIO_MAX))
         neg_adv = -advantages
         bound = torch.lerp(lo_b.unsqueeze(-1), hi_b.unsqueeze(-1), torch.sign(advantages).clamp_(min=0))
         p1 = neg_adv * s  # -A s
         loss = torch.maximum(p1, neg_adv.mul(bound))
         kept = _kept(loss, p1, response_mask)
-        abs_d = d.abs() if mu is old_log_prob else padded_log_ratio(lp, mu, response_mask, clamp=False).abs_()
         n_band = torch.zeros((), dtype=torch.float64, device=d.device)
         if rows.numel():
             lo, hi = endpoints(s.dtype, s.device, eps_low, eps_high)

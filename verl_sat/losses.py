@@ -257,11 +257,13 @@ def _finish(
         return empty_batch(log_prob, eps_low, eps_high)
     _record(out.factors)
     metrics = dict(out.metrics)
-    if out.n_gated == 0:
-        mask = response_mask.bool()  # padding may hold -inf / NaN log-probs: verl's loss stays finite
-        clean = (torch.where(mask, old_log_prob, 0.0), torch.where(mask, log_prob, 0.0))
-        loss, base = base_fn(*clean, advantages, response_mask, loss_agg_mode, config, rollout_is_weights)
-        return loss, {**metrics, **base}
+    if out.loss is None:  # no token gated: verl's own loss, bit for bit, and its three metrics
+        if not out.clean_padding:  # -inf / NaN log-probs at padding: keep verl's loss finite
+            mask = response_mask.bool()
+            old_log_prob, log_prob = torch.where(mask, old_log_prob, 0.0), torch.where(mask, log_prob, 0.0)
+        args = (old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config, rollout_is_weights)
+        loss, base = base_fn(*args)
+        return loss, {**base, **metrics}
     pg_losses = out.loss if rollout_is_weights is None else out.loss * rollout_is_weights
     pg_loss = agg_loss(
         loss_mat=pg_losses, loss_mask=response_mask, loss_agg_mode=loss_agg_mode, **config.global_batch_info
