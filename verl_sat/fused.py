@@ -83,7 +83,7 @@ def _masked(x: torch.Tensor, response_mask: torch.Tensor, fallback) -> tuple[tor
     """(x * mask, n active, clean) in one transfer, or ``fallback()`` where padding held -inf or
     NaN (which x * mask turns into NaN). ``x`` is multiplied in place when the dtypes allow."""
     x = x.mul_(response_mask) if x.dtype == torch.promote_types(x.dtype, response_mask.dtype) else x * response_mask
-    n, total = torch.stack([torch.count_nonzero(response_mask).double(), x.sum().double()]).tolist()
+    n, total = torch.stack([response_mask.sum(dtype=torch.float64), x.sum(dtype=torch.float64)]).tolist()
     clean = math.isfinite(total)
     return (x if clean else fallback().to(x.dtype)), int(n), clean
 
@@ -121,16 +121,11 @@ def _band(r: torch.Tensor, adv: torch.Tensor, bound: torch.Tensor, lo: torch.Ten
     return ((adv > 0) & (r > bound) & (r < hi)) | ((adv < 0) & (r < bound) & (r > lo))
 
 
-def _sat_values(c: torch.Tensor, positive: torch.Tensor, weight: torch.Tensor | None, q: torch.Tensor):
+def _sat_values(c: torch.Tensor, positive: torch.Tensor, q: torch.Tensor) -> list[torch.Tensor]:
     """q, min c, and sum (1 - c) over the gated tokens with d < 0 and with d > 0 (SPEC §5)."""
-    one = torch.ones((), dtype=torch.float64, device=c.device)
-    shrink = (1.0 - c).double() if weight is None else (1.0 - c).double() * weight
-    return [
-        q.double(),
-        c.min().double() if c.numel() else one,
-        shrink[~positive].sum(),
-        shrink[positive].sum(),
-    ]
+    shrink = 1.0 - c
+    high = torch.where(positive, shrink, 0.0).sum(dtype=torch.float64)
+    return [q.double(), c.min().double(), shrink.sum(dtype=torch.float64) - high, high]
 
 
 def _metrics(names: list[str], stats: list[float], n: int, eps_low: float, eps_high: float) -> dict[str, float]:
@@ -182,8 +177,9 @@ def token_surrogate(
         if n == 0:
             return None
         ds = d if score_ref is old_log_prob else padded_log_ratio(lp, score_ref, response_mask, clamp=True)
-        f = padded_factors(ds, n, alpha, kernel, exponent)
-        abs_d = d.abs() if mu is old_log_prob else padded_log_ratio(lp, mu, response_mask, clamp=True).abs_()
+        abs_ds = ds.abs()
+        f = padded_factors(ds, n, alpha, kernel, exponent, abs_ds)
+        abs_d = abs_ds if mu is score_ref else padded_log_ratio(lp, mu, response_mask, clamp=True).abs_()
         if f.idx.numel() == 0:
             return _ungated(f, n, abs_d, clean, eps_low, eps_high)
         ratio = torch.exp(d)
@@ -200,9 +196,10 @@ def token_surrogate(
         upper = advantages.abs().mul_(clip_ratio_c)  # -A c where A < 0 (dual clip); >= -S where A > 0
         loss = torch.clamp(p1, neg_adv.mul(bound), upper)
         kept = _kept(loss, p1, response_mask)
-        n_lower = torch.count_nonzero(p1.sub_(loss).clamp_(min=0))  # dual clip: -S < -A r
-        stats = [torch.count_nonzero(kept), n_lower, d.sum(), abs_d.sum(), n_band, d.amin()]
-        stats = torch.stack([t.double() for t in stats + _sat_values(f.c, f.positive, None, f.q)]).tolist()
+        n_lower = p1.sub_(loss).clamp_(min=0).sign_().sum(dtype=torch.float64)  # dual clip: -S < -A r
+        f64 = torch.float64
+        stats = [kept.sum(dtype=f64), n_lower, d.sum(dtype=f64), abs_d.sum(dtype=f64), n_band, d.amin().double()]
+        stats = torch.stack(stats + _sat_values(f.c, f.positive, f.q)).tolist()
         ratio_kept = ratio.mul_(kept)
         if stats[STAT_NAMES.index("extreme")] <= -LOG_RATIO_CLAMP:  # verl's clamp passes no gradient below
             ratio_kept.mul_((lp - old_log_prob) >= -LOG_RATIO_CLAMP)
@@ -260,9 +257,9 @@ def sequence_surrogate(
             band = _band(s[rows], advantages[rows], bound[rows].to(s.dtype), lo, hi)
             n_band = (band & response_mask[rows].bool()).sum().double()
         n_lower = torch.zeros((), dtype=torch.float64, device=d.device)  # no dual clip in GSPO
-        stats = [torch.count_nonzero(kept), n_lower, d.sum(), abs_d.sum(), n_band, log_rho.amax()]
-        c_rows, pos_rows = f.c, f.positive
-        stats = torch.stack([t.double() for t in stats + _sat_values(c_rows, pos_rows, None, f.q)]).tolist()
+        f64 = torch.float64
+        stats = [kept.sum(dtype=f64), n_lower, d.sum(dtype=f64), abs_d.sum(dtype=f64), n_band, log_rho.amax().double()]
+        stats = torch.stack(stats + _sat_values(f.c, f.positive, f.q)).tolist()
         ratio_kept = s.mul_(kept)
         if stats[STAT_NAMES.index("extreme")] > GSPO_LOG_RATIO_MAX:  # verl's clamp passes no gradient above
             ratio_kept.mul_((log_rho <= GSPO_LOG_RATIO_MAX).unsqueeze(-1))
@@ -289,7 +286,7 @@ def sequence_factors(
     (the base endpoints, exactly, on ungated rows).
     """
     alpha, kernel, exponent = rule
-    lengths = torch.count_nonzero(response_mask, dim=-1)
+    lengths = response_mask.sum(-1, dtype=torch.float64)  # exact counts
     a = score.abs()
     lo = torch.full_like(score, 1.0 - eps_low)
     hi = torch.full_like(score, 1.0 + eps_high)

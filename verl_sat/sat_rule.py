@@ -130,14 +130,17 @@ def sat_factors(d: torch.Tensor, mask: torch.Tensor, alpha: float, kernel: str, 
     return padded_factors(d_sg, int(mask.sum().item()), alpha, kernel, exponent)
 
 
-def padded_factors(d: torch.Tensor, n: int, alpha: float, kernel: str, exponent: float) -> SATFactors:
+def padded_factors(
+    d: torch.Tensor, n: int, alpha: float, kernel: str, exponent: float, a: torch.Tensor | None = None
+) -> SATFactors:
     """``sat_factors`` for a detached score that holds 0 at every one of its padding positions.
 
     The n active |d| are >= 0 = every padding |d|, so the k-th smallest active |d| is the minimum
     of the m = n - k + 1 largest of all positions: the selection needs no mask, and its indices
-    are the candidates for the gate (the gated tokens are among the m largest).
+    are the candidates for the gate (the gated tokens are among the m largest). ``a`` = |d| if
+    the caller has it.
     """
-    a = d.abs()
+    a = d.abs() if a is None else a
     if n == 0:
         q = torch.zeros((), dtype=d.dtype, device=d.device)
         idx = torch.zeros(0, dtype=torch.long, device=d.device)
