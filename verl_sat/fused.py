@@ -241,7 +241,8 @@ def sequence_surrogate(
         score = log_rho
         if score_ref is not old_log_prob:
             score = padded_log_ratio(lp, score_ref, response_mask, clamp=False).sum(-1) / seq_lengths
-        f, rows, lo_b, hi_b = sequence_factors(score, response_mask, n, rule, eps_low, eps_high)
+        f, rows, lo_b, hi_b = sequence_factors(score, lengths, n, rule, eps_low, eps_high)
+        f = token_factors(f, response_mask)
         abs_d = d.abs() if mu is old_log_prob else padded_log_ratio(lp, mu, response_mask, clamp=False).abs_()
         if f.idx.numel() == 0:
             return _ungated(f, n, abs_d, clean, eps_low, eps_high)
@@ -272,42 +273,42 @@ def sequence_surrogate(
 
 def sequence_factors(
     score: torch.Tensor,
-    response_mask: torch.Tensor,
+    lengths: torch.Tensor,
     n: int,
     rule: tuple[float, str, float],
     eps_low: float,
     eps_high: float,
-) -> tuple[SATFactors, torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> tuple[SATFactors, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """The rule on a sequence score broadcast to its |y_b| active tokens (SPEC §2 steps 2-6, §3).
 
-    q = the k-th smallest, k = ceil(alpha n), of {|score_b| repeated |y_b| times}: the B scores
-    sorted once and their lengths accumulated (exact: integer counts in fp64). Returns the
+    q = the k-th smallest, k = ceil(alpha n), n >= 1, of {|score_b| repeated |y_b| times}: the B
+    scores sorted once and their lengths accumulated (exact: integer counts in fp64). Returns the
     token-level factors, the gated rows, and the per-row endpoints 1 - eps_low~_b, 1 + eps_high~_b
-    (the base endpoints, exactly, on ungated rows).
+    (the base endpoints, exactly, on ungated rows; None when no row is gated).
     """
     alpha, kernel, exponent = rule
-    lengths = response_mask.sum(-1, dtype=torch.float64)  # exact counts
     a = score.abs()
-    lo = torch.full_like(score, 1.0 - eps_low)
-    hi = torch.full_like(score, 1.0 + eps_high)
-    if n == 0:
-        q = torch.zeros((), dtype=score.dtype, device=score.device)
-        rows = torch.zeros(0, dtype=torch.long, device=score.device)
-    else:
-        a_sorted, order = torch.sort(a)
-        cum = torch.cumsum(lengths[order], 0)
-        k = torch.tensor([quantile_rank(alpha, n)], dtype=cum.dtype, device=cum.device)
-        q = a_sorted[torch.searchsorted(cum, k)].reshape(())
-        rows = ((lengths > 0) & (a > q) & (q > 0)).nonzero().squeeze(-1)
+    a_sorted, order = torch.sort(a)
+    cum = torch.cumsum(lengths[order].double(), 0)
+    k = torch.tensor([quantile_rank(alpha, n)], dtype=cum.dtype, device=cum.device)
+    q = a_sorted[torch.searchsorted(cum, k)].reshape(())
+    rows = ((lengths > 0) & (a > q) & (q > 0)).nonzero().squeeze(-1)
     work = torch.promote_types(score.dtype, torch.float32)
     c_rows = kernel_psi(a[rows].to(work), q.to(work), kernel, exponent)
     pos_rows = score[rows] > 0
+    f = SATFactors(q=q, idx=rows, c=c_rows, positive=pos_rows, shape=score.shape)  # per row
+    if rows.numel() == 0:
+        return f, rows, None, None
+    lo = torch.full_like(score, 1.0 - eps_low)
+    hi = torch.full_like(score, 1.0 + eps_high)
     hi[rows] = torch.where(pos_rows, 1.0 + eps_high * c_rows, 1.0 + eps_high).to(score.dtype)
     lo[rows] = torch.where(pos_rows, 1.0 - eps_low, 1.0 - eps_low * c_rows).to(score.dtype)
-    # token view: the active tokens of the gated rows, each with its row's c and sign
-    width = response_mask.shape[-1]
-    cols = response_mask[rows].bool()
-    tok = cols.nonzero()
-    idx = rows[tok[:, 0]] * width + tok[:, 1]
-    f = SATFactors(q=q, idx=idx, c=c_rows[tok[:, 0]], positive=pos_rows[tok[:, 0]], shape=response_mask.shape)
     return f, rows, lo, hi
+
+
+def token_factors(f: SATFactors, response_mask: torch.Tensor) -> SATFactors:
+    """The per-row factors of ``sequence_factors`` at the active tokens of the gated rows."""
+    rows = f.idx
+    tok = response_mask[rows].bool().nonzero()
+    idx = rows[tok[:, 0]] * response_mask.shape[-1] + tok[:, 1]
+    return SATFactors(q=f.q, idx=idx, c=f.c[tok[:, 0]], positive=f.positive[tok[:, 0]], shape=response_mask.shape)
