@@ -45,43 +45,6 @@ def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return (x * mask).sum() / mask.sum().clamp(min=1)
 
 
-def sat_metrics(
-    f: SATFactors,
-    n_active: int,
-    eps_low: float,
-    eps_high: float,
-    n_intercepted: torch.Tensor,
-    abs_d_sum: torch.Tensor,
-    base: list[torch.Tensor],
-) -> list[float]:
-    """SPEC §5 diagnostics over the n active tokens, read back with ``base`` in one transfer.
-
-    Ungated tokens have c = 1, so every mean below only needs the gated tokens:
-    mean(eps_low * c_minus) = eps_low * (1 - sum_{gated, d<0} (1 - c) / n), likewise for eps_high.
-    """
-    one = torch.ones((), dtype=f.c.dtype, device=f.c.device)
-    shrink = 1.0 - f.c
-    values = base + [
-        f.q.to(one.dtype),
-        f.c.min() if f.c.numel() else one,  # strongest contraction min(c_plus, c_minus)
-        eps_low * (1 - shrink[~f.positive].sum() / n_active),  # mean effective lower radius
-        eps_high * (1 - shrink[f.positive].sum() / n_active),  # mean effective upper radius
-        n_intercepted / n_active,  # clipped by SAT, not by PPO
-        abs_d_sum / n_active,  # dbar_pi = mean |d_{b,t}| over T_act (paper Eq. 52)
-    ]
-    return torch.stack([v.to(one.dtype) for v in values]).tolist()
-
-
-SAT_METRIC_NAMES = [
-    "actor/sat_q",
-    "actor/sat_c_min",
-    "actor/sat_eps_low_mean",
-    "actor/sat_eps_high_mean",
-    "actor/sat_intercepted_frac",
-    "actor/mismatch_abs_mean",
-]
-
-
 def mismatch_metric(log_prob: torch.Tensor, old_log_prob: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
     """dbar_pi = mean over T_act of |log pi - log mu| (SPEC §1, token level for every method)."""
     d = (log_prob.detach() - old_log_prob.detach()).abs()
