@@ -70,8 +70,7 @@ def test_overrides_compose_and_validate(
     from verl.utils.config import omega_conf_to_dataclass, validate_config
     from verl.workers.config import McoreActorConfig, RolloutConfig
 
-    from verl_sat import SATPolicyLossConfig
-    from verl_sat import main
+    from verl_sat import SATPolicyLossConfig, main
     from verl_sat.main import prepare
 
     monkeypatch.setattr(main, "check_paths", lambda cfg: None)  # the dry run does not build the assets

@@ -24,7 +24,8 @@ from verl.trainer.ppo import core_algos
 from verl.trainer.ppo.core_algos import agg_loss, compute_policy_loss_gspo, compute_policy_loss_vanilla
 
 from verl_sat.config import POLICY_LOSS_KEY, SATPolicyLossConfig, sat_settings
-from verl_sat.sat_rule import SATFactors, intercepted, sat_clip, sat_factors
+from verl_sat.fused import StepScore, Surrogate, sequence_surrogate, token_surrogate
+from verl_sat.sat_rule import SATFactors
 
 LOG_RATIO_CLAMP = 20.0  # verl's vanilla clamps log r to [-20, 20] before exp
 GSPO_LOG_RATIO_MAX = 10.0  # verl's gspo clamps log s_{b,t} at 10 before exp
@@ -48,43 +49,6 @@ def sequence_score(log_prob: torch.Tensor, ref: torch.Tensor, response_mask: tor
 
 def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return (x * mask).sum() / mask.sum().clamp(min=1)
-
-
-def sat_metrics(
-    f: SATFactors,
-    n_active: int,
-    eps_low: float,
-    eps_high: float,
-    n_intercepted: torch.Tensor,
-    abs_d_sum: torch.Tensor,
-    base: list[torch.Tensor],
-) -> list[float]:
-    """SPEC §5 diagnostics over the n active tokens, read back with ``base`` in one transfer.
-
-    Ungated tokens have c = 1, so every mean below only needs the gated tokens:
-    mean(eps_low * c_minus) = eps_low * (1 - sum_{gated, d<0} (1 - c) / n), likewise for eps_high.
-    """
-    one = torch.ones((), dtype=f.c.dtype, device=f.c.device)
-    shrink = 1.0 - f.c
-    values = base + [
-        f.q.to(one.dtype),
-        f.c.min() if f.c.numel() else one,  # strongest contraction min(c_plus, c_minus)
-        eps_low * (1 - shrink[~f.positive].sum() / n_active),  # mean effective lower radius
-        eps_high * (1 - shrink[f.positive].sum() / n_active),  # mean effective upper radius
-        n_intercepted / n_active,  # clipped by SAT, not by PPO
-        abs_d_sum / n_active,  # dbar_pi = mean |d_{b,t}| over T_act (paper Eq. 52)
-    ]
-    return torch.stack([v.to(one.dtype) for v in values]).tolist()
-
-
-SAT_METRIC_NAMES = [
-    "actor/sat_q",
-    "actor/sat_c_min",
-    "actor/sat_eps_low_mean",
-    "actor/sat_eps_high_mean",
-    "actor/sat_intercepted_frac",
-    "actor/mismatch_abs_mean",
-]
 
 
 def mismatch_metric(log_prob: torch.Tensor, old_log_prob: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
@@ -184,20 +148,20 @@ def score_reference(sat: SATPolicyLossConfig, old_log_prob: torch.Tensor) -> tor
     return mu.to(device=old_log_prob.device, dtype=old_log_prob.dtype)
 
 
-def score_log_prob(log_prob: torch.Tensor) -> torch.Tensor:
-    """log pi of the SAT score: the step's scoring pass (``step_quantile``) when the worker ran one,
-    else this micro-batch's own log pi (the same weights: no optimizer step inside a step)."""
+def score_log_prob(log_prob: torch.Tensor) -> torch.Tensor | None:
+    """log pi of the SAT score from the step's scoring pass (``step_quantile``), or None: this
+    micro-batch's own log pi scores (the same weights: no optimizer step inside a step)."""
     ctx = _CONTEXT.get()
     scored = None if ctx is None else ctx.score_log_prob
     if scored is None:
-        return log_prob.detach()
+        return None
     if scored.shape != log_prob.shape:
         shapes = f"{tuple(scored.shape)} vs log_prob {tuple(log_prob.shape)}"
         raise ValueError(f"the step's score log-probs do not match the micro-batch: {shapes}")
     return scored.to(device=log_prob.device, dtype=log_prob.dtype)
 
 
-def step_reference(sat: SATPolicyLossConfig, config: Any, n_active: int) -> torch.Tensor | None:
+def step_reference(sat: SATPolicyLossConfig, config: Any, response_mask: torch.Tensor) -> torch.Tensor | None:
     """The batch reference q of ``sat_quantile_scope=step`` (SPEC §2 step 2), or None: take q here.
 
     None for ``micro_batch`` scope, and for ``step`` scope when this call's tokens are the whole
@@ -211,7 +175,10 @@ def step_reference(sat: SATPolicyLossConfig, config: Any, n_active: int) -> torc
         return torch.tensor(ctx.step_q, dtype=torch.float64)
     info = getattr(config, "global_batch_info", None) or {}
     step_tokens, dp_size = info.get("batch_num_tokens"), info.get("dp_size") or 1
-    if step_tokens is None or (int(step_tokens) == n_active and int(dp_size) == 1):
+    if step_tokens is None:
+        return None
+    n_active = int(response_mask.sum().item())
+    if int(step_tokens) == n_active and int(dp_size) == 1:
         return None
     raise ValueError(
         f"{POLICY_LOSS_KEY}.sat_quantile_scope=step: this micro-batch holds {n_active} of the step's "
@@ -226,6 +193,22 @@ def _record(f: SATFactors) -> None:
     ctx = _CONTEXT.get()
     if ctx is not None:
         ctx.gate = f.gate
+
+
+def scope_metrics(log_prob: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
+    """What the batch reference q was taken over (SPEC §2 step 2; the q-scope metrics):
+
+    actor/sat_seqs_per_micro_batch = #responses with an active token in this micro-batch
+        (SAT-GSPO with per-micro-batch q gates nothing once the top one holds 1 - alpha of its tokens)
+    actor/sat_score_drift = mean over T_act of |log pi - log pi_score|: 0 when the score was
+        taken at this step's weights (forward scoring pass), > 0 when it lags (old log-probs)
+    """
+    metrics = {"actor/sat_seqs_per_micro_batch": float(mask.any(dim=-1).sum())}
+    ctx = _CONTEXT.get()
+    if ctx is not None and ctx.score_log_prob is not None:
+        drift = torch.where(mask, (log_prob.detach() - ctx.score_log_prob.to(log_prob.dtype)).abs(), 0.0)
+        metrics["actor/sat_score_drift"] = (drift.sum() / mask.sum().clamp(min=1)).item()
+    return metrics
 
 
 # ---------------------------------------------------------------------------------------------
@@ -247,6 +230,7 @@ def compute_policy_loss_sat(
     eps_low~ = eps_low * c_minus(d),  eps_high~ = eps_high * c_plus(d)     (SPEC §2 steps 1-6)
     S   = min(r A, clip(r, 1 - eps_low~, 1 + eps_high~) A);  loss = -S     (SPEC §2 step 7)
     plus verl's dual clip for A < 0: loss = min(loss, -A * clip_ratio_c).
+    Computed by ``fused.token_surrogate``; with no token gated, verl's ``vanilla`` itself.
     """
     assert config is not None, "the sat loss needs the actor config (clip ratios, policy_loss)"
     sat: SATPolicyLossConfig = sat_settings(config.policy_loss)
@@ -254,87 +238,19 @@ def compute_policy_loss_sat(
     if not sat.sat_enabled:
         return _disabled(compute_policy_loss_vanilla, args, response_mask)
     eps_low, eps_high = clip_radii(config)
-    mask = response_mask.bool()
-    n_active = int(mask.sum().item())
-    if n_active == 0:
-        return empty_batch(log_prob, eps_low, eps_high)
     clip_ratio_c = config.get("clip_ratio_c", 3.0)
     if not clip_ratio_c > 1.0:
         raise ValueError(f"actor_rollout_ref.actor.clip_ratio_c must be > 1.0 (dual clip), got {clip_ratio_c}")
-
-    log_ratio = torch.clamp(log_prob - old_log_prob, min=-LOG_RATIO_CLAMP, max=LOG_RATIO_CLAMP)  # log r_{b,t}
-    ratio = torch.exp(log_ratio)  # r_{b,t}
+    rule = (sat.sat_alpha, sat.sat_kernel, sat.sat_kernel_exponent)
     ref = score_reference(sat, old_log_prob)
-    scored = score_log_prob(log_prob)
-    d = torch.clamp(scored - ref, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)  # d_{b,t}, detached
-    q = step_reference(sat, config, n_active)
-    f = sat_factors(d, mask, sat.sat_alpha, sat.sat_kernel, sat.sat_kernel_exponent, q=q)
-    _record(f)
-
-    pg_losses1 = -advantages * ratio  # -r A
-    pg_losses2 = -advantages * sat_clip(ratio, f, eps_low, eps_high)  # -clip(r, 1 - eps_low~, 1 + eps_high~) A
-    clip_pg_losses1 = torch.maximum(pg_losses1, pg_losses2)  # -S
-    pg_losses3 = -advantages * clip_ratio_c  # dual clip bound for A < 0
-    clip_pg_losses2 = torch.min(pg_losses3, clip_pg_losses1)
-    pg_losses = torch.where(advantages < 0, clip_pg_losses2, clip_pg_losses1)
-    if rollout_is_weights is not None:
-        pg_losses = pg_losses * rollout_is_weights
-    pg_loss = agg_loss(
-        loss_mat=pg_losses, loss_mask=response_mask, loss_agg_mode=loss_agg_mode, **config.global_batch_info
-    )
-
-    m = response_mask.to(ratio.dtype)
     mu = mu_log_prob(old_log_prob)
-    abs_d = torch.clamp(log_prob.detach() - mu, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).abs()
-    base = [
-        masked_mean(torch.gt(pg_losses2, pg_losses1).to(m.dtype), m),  # actor/pg_clipfrac
-        -(log_ratio.detach() * m).sum() / n_active,  # actor/ppo_kl
-        masked_mean((torch.gt(clip_pg_losses1, pg_losses3) & (advantages < 0)).to(m.dtype), m),
-    ]
-    metrics = _metrics(f, n_active, eps_low, eps_high, ratio, advantages, abs_d, m, base)
-    return pg_loss, {**metrics, **scope_metrics(log_prob, mask)}
+    step = StepScore(score_log_prob(log_prob), step_reference(sat, config, response_mask))
+    out = token_surrogate(
+        log_prob, old_log_prob, advantages, response_mask, ref, mu, rule, eps_low, eps_high, clip_ratio_c, step
+    )
+    return _finish(out, compute_policy_loss_vanilla, args, eps_low, eps_high)
 
 
-def _metrics(
-    f: SATFactors,
-    n_active: int,
-    eps_low: float,
-    eps_high: float,
-    ratio: torch.Tensor,
-    advantages: torch.Tensor,
-    abs_d: torch.Tensor,
-    m: torch.Tensor,
-    base: list[torch.Tensor],
-) -> dict[str, Any]:
-    """verl's three loss metrics + SAT's (SPEC §5), one device-to-host transfer."""
-    n_intercepted = intercepted(ratio, advantages, f, eps_low, eps_high)
-    abs_d_sum = (abs_d * m).sum()
-    values = sat_metrics(f, n_active, eps_low, eps_high, n_intercepted, abs_d_sum, base)
-    names = ["actor/pg_clipfrac", "actor/ppo_kl", "actor/pg_clipfrac_lower"] + SAT_METRIC_NAMES
-    metrics = dict(zip(names, values, strict=True))
-    metrics["actor/sat_gate_rate"] = f.idx.numel() / n_active  # mean 1{q > 0, |d| > q} over T_act
-    return metrics
-
-
-def scope_metrics(log_prob: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
-    """What the batch reference q was taken over (SPEC §2 step 2; the q-scope metrics):
-
-    actor/sat_seqs_per_micro_batch = #responses with an active token in this micro-batch
-        (SAT-GSPO with per-micro-batch q gates nothing once the top one holds 1 - alpha of its tokens)
-    actor/sat_score_drift = mean over T_act of |log pi - log pi_score|: 0 when the score was
-        taken at this step's weights (forward scoring pass), > 0 when it lags (old log-probs)
-    """
-    metrics = {"actor/sat_seqs_per_micro_batch": float(mask.any(dim=-1).sum())}
-    ctx = _CONTEXT.get()
-    if ctx is not None and ctx.score_log_prob is not None:
-        drift = (log_prob.detach() - score_log_prob(log_prob)).abs()
-        metrics["actor/sat_score_drift"] = masked_mean(drift, mask.to(drift.dtype)).item()
-    return metrics
-
-
-# ---------------------------------------------------------------------------------------------
-# ALGO LOGIC: SAT on verl's gspo (sequence level, SPEC §3)
-# ---------------------------------------------------------------------------------------------
 def compute_policy_loss_sat_gspo(
     old_log_prob: torch.Tensor,
     log_prob: torch.Tensor,
@@ -351,6 +267,7 @@ def compute_policy_loss_sat_gspo(
                 (decoupled, SPEC §4: rho_b against pi_old, d_{b,t} from the same mean against mu)
     s_{b,t}   = sg[rho_b] * pi_{b,t} / sg[pi_{b,t}]                         (GSPO-token gradient form)
     S = min(s A, clip(s, 1 - eps_low~, 1 + eps_high~) A);  loss = -S
+    Computed by ``fused.sequence_surrogate``; with no token gated, verl's ``gspo`` itself.
     """
     assert config is not None, "the sat_gspo loss needs the actor config (clip ratios, policy_loss)"
     sat: SATPolicyLossConfig = sat_settings(config.policy_loss)
@@ -358,45 +275,35 @@ def compute_policy_loss_sat_gspo(
     if not sat.sat_enabled:
         return _disabled(compute_policy_loss_gspo, args, response_mask)
     eps_low, eps_high = clip_radii(config)
-    mask = response_mask.bool()
-    n_active = int(mask.sum().item())
-    if n_active == 0:
-        return empty_batch(log_prob, eps_low, eps_high)
-
-    negative_approx_kl = log_prob - old_log_prob  # log r_{b,t}
-    seq_lengths = torch.sum(response_mask, dim=-1).clamp(min=1)
-    log_rho = torch.sum(negative_approx_kl * response_mask, dim=-1) / seq_lengths  # log rho_b
-    log_s = log_prob - log_prob.detach() + log_rho.detach().unsqueeze(-1)  # log s_{b,t}
-    log_s = torch.clamp(log_s, max=GSPO_LOG_RATIO_MAX)
-    s = torch.exp(log_s)
-
+    rule = (sat.sat_alpha, sat.sat_kernel, sat.sat_kernel_exponent)
     ref = score_reference(sat, old_log_prob)
-    log_rho_score = sequence_score(score_log_prob(log_prob), ref, response_mask)
-    d = log_rho_score.unsqueeze(-1).expand_as(log_prob)  # sequence score on every token
-    q = step_reference(sat, config, n_active)
-    f = sat_factors(d, mask, sat.sat_alpha, sat.sat_kernel, sat.sat_kernel_exponent, q=q)
-    _record(f)
+    mu = mu_log_prob(old_log_prob)
+    step = StepScore(score_log_prob(log_prob), step_reference(sat, config, response_mask))
+    out = sequence_surrogate(log_prob, old_log_prob, advantages, response_mask, ref, mu, rule, eps_low, eps_high, step)
+    return _finish(out, compute_policy_loss_gspo, args, eps_low, eps_high)
 
-    pg_losses1 = -advantages * s
-    pg_losses2 = -advantages * sat_clip(s, f, eps_low, eps_high)
-    pg_losses = torch.maximum(pg_losses1, pg_losses2)  # -S
-    if rollout_is_weights is not None:
-        pg_losses = pg_losses * rollout_is_weights
+
+def _finish(
+    out: Surrogate | None, base_fn, args: tuple, eps_low: float, eps_high: float
+) -> tuple[torch.Tensor, dict[str, Any]]:
+    """Aggregate -S as verl does, or, with no token gated, return verl's own loss (bit-identical)."""
+    old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config, rollout_is_weights = args
+    if out is None:
+        return empty_batch(log_prob, eps_low, eps_high)
+    _record(out.factors)
+    metrics = {**out.metrics, **scope_metrics(log_prob, response_mask.bool())}
+    if out.loss is None:  # no token gated: verl's own loss, bit for bit, and its three metrics
+        if not out.clean_padding:  # -inf / NaN log-probs at padding: keep verl's loss finite
+            mask = response_mask.bool()
+            old_log_prob, log_prob = torch.where(mask, old_log_prob, 0.0), torch.where(mask, log_prob, 0.0)
+        args = (old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config, rollout_is_weights)
+        loss, base = base_fn(*args)
+        return loss, {**base, **metrics}
+    pg_losses = out.loss if rollout_is_weights is None else out.loss * rollout_is_weights
     pg_loss = agg_loss(
         loss_mat=pg_losses, loss_mask=response_mask, loss_agg_mode=loss_agg_mode, **config.global_batch_info
     )
-
-    m = response_mask.to(s.dtype)
-    token_d = negative_approx_kl.detach()
-    mu = mu_log_prob(old_log_prob)
-    abs_d = (token_d if mu is old_log_prob else (log_prob - mu).detach()).abs()  # token-level |log pi - log mu|
-    base = [
-        masked_mean(torch.gt(pg_losses2, pg_losses1).to(m.dtype), m),  # actor/pg_clipfrac
-        -(token_d * m).sum() / n_active,  # actor/ppo_kl
-        torch.zeros((), dtype=m.dtype, device=m.device),  # actor/pg_clipfrac_lower (no dual clip in GSPO)
-    ]
-    metrics = _metrics(f, n_active, eps_low, eps_high, s, advantages, abs_d, m, base)
-    return pg_loss, {**metrics, **scope_metrics(log_prob, mask)}
+    return pg_loss, metrics
 
 
 # ---------------------------------------------------------------------------------------------

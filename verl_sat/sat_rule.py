@@ -10,22 +10,38 @@ Reinforcement Learning", https://arxiv.org/abs/2607.18722
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
 
-from verl_sat.quantile import exact_quantile, quantile_rank  # noqa: F401  (quantile_rank: re-exported)
+from verl_sat.quantile import exact_quantile, quantile_rank
+
+# Integer/low-precision dtypes are selected in fp32: every bf16/fp16 value is exact in fp32,
+# so the selected element, cast back, is bit-exact.
+_SELECT_DTYPES = (torch.float32, torch.float64)
+
+
+def top_m(x: torch.Tensor, m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The m largest entries of the flat x and their flat indices, unordered: the selection step.
+
+    ``torch.topk`` is a selection (no full sort, no 16M-element limit unlike ``torch.quantile``);
+    we do not use ``torch.kthvalue``, whose CPU quickselect degrades to O(n^2) on descending input
+    (30 s for 1M elements, measured). This is the one place a faster exact selection plugs in.
+    """
+    work = x.reshape(-1)
+    work = work if work.dtype in _SELECT_DTYPES else work.float()
+    top = torch.topk(work, m, sorted=False)
+    return top.values, top.indices
 
 
 def masked_quantile(x: torch.Tensor, mask: torch.Tensor, alpha: float) -> torch.Tensor:
-    """q = the alpha-quantile of x over mask, inverse-CDF convention, by selection (SPEC §2 step 2).
+    """q = the alpha-quantile of x over mask, inverse-CDF convention (SPEC §2 step 2).
 
     The smallest v in x[mask] with #{x[mask] <= v} / n >= alpha, i.e. the k-th smallest with
-    k = ceil(alpha n), found by radix selection on the float bits (``verl_sat.quantile``): no
-    sort, exact at every dtype and beyond torch.quantile's 16M-element limit. This is the
-    ``micro_batch`` scope; the ``step`` scope selects with the same primitive over the
-    optimizer step's tokens on every rank (``verl_sat.step_quantile``). Returns 0 when mask is
-    empty.
+    k = ceil(alpha n), by the exact radix selection that also serves the optimizer step's q
+    across ranks (``verl_sat.quantile``). The losses select with ``top_m`` instead, whose
+    indices are the gate's candidates. Returns 0 when mask is empty.
     """
     return exact_quantile(x[mask.bool()], alpha)
 
@@ -50,19 +66,27 @@ class SATFactors:
 
     Only gated tokens (at most a fraction 1 - alpha of T_act) carry a contraction, so the
     factors are kept at those tokens: ``idx`` indexes the flattened score, ``c`` = psi(|d|; q)
-    there, ``positive`` = sign(d) > 0 there. ``c_plus`` / ``c_minus`` give the dense view.
+    there, ``positive`` = sign(d) > 0 there. ``gate``, ``c_plus`` and ``c_minus`` give the dense
+    view of the score's ``shape``, built only when read.
     """
 
     q: torch.Tensor  # () the batch reference
-    gate: torch.Tensor  # bool, shape of d: 1{mask, q > 0, |d| > q}
     idx: torch.Tensor  # (G,) flat indices of the gated tokens
     c: torch.Tensor  # (G,) psi(|d|; q) at the gated tokens, in (0, 1/2); fp32 or wider
     positive: torch.Tensor  # (G,) bool, d > 0 at the gated tokens
+    shape: torch.Size  # the score's shape
+
+    @functools.cached_property
+    def gate(self) -> torch.Tensor:
+        """bool, shape of d: 1{mask, q > 0, |d| > q}."""
+        out = torch.zeros(self.shape, dtype=torch.bool, device=self.idx.device).reshape(-1)
+        out[self.idx] = True
+        return out.view(self.shape)
 
     def _dense(self, side: torch.Tensor) -> torch.Tensor:
-        out = torch.ones(self.gate.shape, dtype=self.c.dtype, device=self.c.device).reshape(-1)
+        out = torch.ones(self.shape, dtype=self.c.dtype, device=self.c.device).reshape(-1)
         out[self.idx[side]] = self.c[side]
-        return out.view(self.gate.shape)
+        return out.view(self.shape)
 
     @property
     def c_plus(self) -> torch.Tensor:
@@ -97,17 +121,45 @@ def sat_factors(
     A gated token has exactly one of u_plus, u_minus equal to |d_sg| > 0 and the other 0, where
     psi(0) = 1: so only the endpoint on the side of sign(d) can move.
     """
-    d_sg = d.detach()
     mask = mask.bool()
-    a = d_sg.abs()
-    q = masked_quantile(a, mask, alpha) if q is None else q.detach().to(device=a.device, dtype=a.dtype)
-    gate = mask & (a > q) & (q > 0)
-    idx = gate.reshape(-1).nonzero().squeeze(-1)
-    d_gated = d_sg.reshape(-1)[idx]
+    d_sg = d.detach().masked_fill(~mask, 0.0)  # padding may hold anything, -inf and NaN included
+    return padded_factors(d_sg, int(mask.sum().item()), alpha, kernel, exponent, q=q)
+
+
+def padded_factors(
+    d: torch.Tensor,
+    n: int,
+    alpha: float,
+    kernel: str,
+    exponent: float,
+    a: torch.Tensor | None = None,
+    q: torch.Tensor | None = None,
+) -> SATFactors:
+    """``sat_factors`` for a detached score that holds 0 at every one of its padding positions.
+
+    The n active |d| are >= 0 = every padding |d|, so the k-th smallest active |d| is the minimum
+    of the m = n - k + 1 largest of all positions: the selection needs no mask, and its indices
+    are the candidates for the gate (the gated tokens are among the m largest). ``a`` = |d| if
+    the caller has it; ``q`` = the batch reference when it was taken over more than this
+    micro-batch (the optimizer step).
+    """
+    a = d.abs() if a is None else a
+    if q is not None:  # the optimizer step's q (sat_quantile_scope=step): gate against it here
+        q = q.to(device=d.device, dtype=d.dtype)
+        idx = ((a > q) & (q > 0)).reshape(-1).nonzero().squeeze(-1)
+    elif n == 0:
+        q = torch.zeros((), dtype=d.dtype, device=d.device)
+        idx = torch.zeros(0, dtype=torch.long, device=d.device)
+    else:
+        values, indices = top_m(a, n - quantile_rank(alpha, n) + 1)
+        q_sel = values.min()
+        q = q_sel.to(d.dtype)
+        idx = indices[(values > q_sel) & (q_sel > 0)]
+    d_gated = d.reshape(-1)[idx]
     # the kernel in at least fp32: in bf16, u/q just above 1 rounds psi up to exactly 1/2
-    work = torch.promote_types(d_sg.dtype, torch.float32)
+    work = torch.promote_types(d.dtype, torch.float32)
     c = kernel_psi(d_gated.abs().to(work), q.to(work), kernel, exponent)
-    return SATFactors(q=q, gate=gate, idx=idx, c=c, positive=d_gated > 0)
+    return SATFactors(q=q, idx=idx, c=c, positive=d_gated > 0, shape=d.shape)
 
 
 def gated_bounds(f: SATFactors, eps_low: float, eps_high: float) -> tuple[torch.Tensor, torch.Tensor]:

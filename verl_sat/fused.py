@@ -1,0 +1,343 @@
+"""SAT's clipped surrogates in few passes, with a closed-form backward (SPEC §2 step 7, §3).
+
+verl's ``vanilla`` and ``gspo`` build -S from about ten autograd ops, and autograd walks them
+all back. Per token, -S is a product -A * r_eff with r_eff one of r, a clip endpoint or the dual
+clip's c, so (-A) * r_eff equals verl's max/min chain bit for bit (a product with a fixed factor
+is monotone in fp). Its gradient in log pi is
+
+    d(-S)/d log pi = (g * -A) * r   where r_eff = r (not clipped),   0 elsewhere,
+
+the very products, in the very order, that autograd forms for verl's loss (g: the gradient of the
+aggregated loss at the token, from verl's own ``agg_loss``). Only at exact rounding ties of
+max/min (r within one ulp of a clip endpoint, where two products round equal) does autograd split
+the gradient in half; here it flows whole or not at all. ``losses.py`` therefore calls verl's
+own loss when no token is gated, so that case stays bit-identical even there.
+
+The two forward paths below compute the SAT terms on the gated tokens only (token level) or on
+the sequences (sequence level: the score is constant along a response, so q is a length-weighted
+quantile of B values), and read every metric from tensors the loss needs anyway, in one
+device-to-host transfer. Device-agnostic: plain torch ops, no host loops over tokens.
+
+Paper: https://arxiv.org/abs/2607.18722 (SAT); GSPO: https://arxiv.org/abs/2507.18071
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from verl_sat.sat_rule import SATFactors, kernel_psi, padded_factors, quantile_rank
+
+LOG_RATIO_CLAMP = 20.0  # verl's vanilla clamps log r to [-20, 20] before exp
+GSPO_LOG_RATIO_MAX = 10.0  # verl's gspo clamps log s_{b,t} at 10 before exp
+
+
+class ClippedSurrogate(torch.autograd.Function):
+    """-S_{b,t} as a function of log pi_{b,t}; forward hands back the precomputed per-token loss.
+
+    backward: d(-S)/d log pi = (g * neg_adv) * ratio_kept, with ratio_kept = r where the token
+    is active and not clipped (and inside verl's log-ratio clamp), 0 elsewhere.
+    """
+
+    @staticmethod
+    def forward(ctx, log_prob, loss, neg_adv, ratio_kept):  # noqa: ARG004 (log_prob: the grad's target)
+        ctx.save_for_backward(neg_adv, ratio_kept)
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad):
+        neg_adv, ratio_kept = ctx.saved_tensors
+        return grad * neg_adv * ratio_kept, None, None, None
+
+
+@dataclass
+class StepScore:
+    """The optimizer step's score and reference (``sat_quantile_scope=step``, SPEC §2 step 2).
+
+    ``log_prob``: log pi of the score from the step's scoring pass (None: this micro-batch's
+    own log pi); ``q``: the step's q (None: take q over this micro-batch).
+    """
+
+    log_prob: torch.Tensor | None = None
+    q: torch.Tensor | None = None
+
+
+@dataclass
+class Surrogate:
+    """One micro-batch's fused forward: the per-token loss, the rule's factors, the metrics
+    (None stands for a micro-batch without active tokens)."""
+
+    loss: torch.Tensor | None  # (B, T) -S, differentiable in log pi; None: no token gated
+    factors: SATFactors  # q and the gated tokens (dense views on demand)
+    n_gated: int  # |{active tokens with q > 0, |d| > q}|
+    metrics: dict[str, float]  # verl's three loss metrics and SAT's (SPEC §5)
+    clean_padding: bool = True  # False: padding held -inf or NaN log-probs
+
+
+def endpoints(dtype: torch.dtype, device: torch.device, eps_low: float, eps_high: float):
+    """1 - eps_low and 1 + eps_high, cast as verl's clamp casts its Python-scalar bounds."""
+    lo = torch.tensor(1.0 - eps_low, dtype=dtype, device=device)
+    hi = torch.tensor(1.0 + eps_high, dtype=dtype, device=device)
+    return lo, hi
+
+
+def padded_log_ratio(lp: torch.Tensor, ref: torch.Tensor, response_mask: torch.Tensor, clamp: bool) -> torch.Tensor:
+    """log pi - log ref at active tokens (clamped to +-20 if asked), 0 at padding, whatever it holds."""
+    x = lp - ref
+    if clamp:
+        x = x.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    return torch.where(response_mask.bool(), x, 0.0)
+
+
+def _masked(x: torch.Tensor, response_mask: torch.Tensor, fallback) -> tuple[torch.Tensor, int, bool]:
+    """(x * mask, n active, clean) in one transfer, or ``fallback()`` where padding held -inf or
+    NaN (which x * mask turns into NaN). ``x`` is multiplied in place when the dtypes allow."""
+    x = x.mul_(response_mask) if x.dtype == torch.promote_types(x.dtype, response_mask.dtype) else x * response_mask
+    n, total = torch.stack([response_mask.sum(dtype=torch.float64), x.sum(dtype=torch.float64)]).tolist()
+    clean = math.isfinite(total)
+    return (x if clean else fallback().to(x.dtype)), int(n), clean
+
+
+def _ungated(f: SATFactors, n: int, abs_d: torch.Tensor, clean: bool, eps_low: float, eps_high: float) -> Surrogate:
+    """No token gated: SAT's metrics only; the loss is the base loss itself (``losses._finish``)."""
+    q, abs_sum = torch.stack([f.q.double(), abs_d.sum().double()]).tolist()
+    metrics = {
+        "actor/sat_q": q,
+        "actor/sat_gate_rate": 0.0,
+        "actor/sat_c_min": 1.0,
+        "actor/sat_eps_low_mean": eps_low,
+        "actor/sat_eps_high_mean": eps_high,
+        "actor/sat_intercepted_frac": 0.0,
+        "actor/mismatch_abs_mean": abs_sum / n,  # dbar_pi (paper Eq. 52)
+    }
+    return Surrogate(loss=None, factors=f, n_gated=0, metrics=metrics, clean_padding=clean)
+
+
+def _kept(loss: torch.Tensor, p1: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
+    """1{-S = -A r} at active tokens, 0 elsewhere, as a float tensor of the loss's dtype."""
+    return torch.eq(loss, p1, out=torch.empty_like(loss)).mul_(response_mask)
+
+
+def _gated_bound(adv: torch.Tensor, positive: torch.Tensor, c: torch.Tensor, eps_low: float, eps_high: float):
+    """The clip endpoint that binds at a gated token (SPEC §2 step 6): 1 + eps_high c_plus for
+    A > 0, 1 - eps_low c_minus for A < 0, where c_plus = c if d > 0 and c_minus = c if d < 0, else 1."""
+    upper = torch.where(positive, 1.0 + eps_high * c, 1.0 + eps_high)
+    lower = torch.where(positive, 1.0 - eps_low, 1.0 - eps_low * c)
+    return torch.where(adv > 0, upper, lower)
+
+
+def _band(r: torch.Tensor, adv: torch.Tensor, bound: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor):
+    """{A > 0, 1 + eps_high~ < r < 1 + eps_high} or {A < 0, 1 - eps_low < r < 1 - eps_low~}."""
+    return ((adv > 0) & (r > bound) & (r < hi)) | ((adv < 0) & (r < bound) & (r > lo))
+
+
+def _sat_values(c: torch.Tensor, positive: torch.Tensor, q: torch.Tensor) -> list[torch.Tensor]:
+    """q, min c, and sum (1 - c) over the gated tokens with d < 0 and with d > 0 (SPEC §5)."""
+    shrink = 1.0 - c
+    high = torch.where(positive, shrink, 0.0).sum(dtype=torch.float64)
+    return [q.double(), c.min().double(), shrink.sum(dtype=torch.float64) - high, high]
+
+
+def _metrics(names: list[str], stats: list[float], n: int, eps_low: float, eps_high: float) -> dict[str, float]:
+    v = dict(zip(names, stats, strict=True))
+    return {
+        "actor/pg_clipfrac": (n - v["unclipped"] - v["lower"]) / n,
+        "actor/ppo_kl": -v["d_sum"] / n,
+        "actor/pg_clipfrac_lower": v["lower"] / n,
+        "actor/sat_q": v["q"],
+        "actor/sat_c_min": v["c_min"],
+        "actor/sat_eps_low_mean": eps_low * (1 - v["shrink_low"] / n),  # mean(eps_low c_minus)
+        "actor/sat_eps_high_mean": eps_high * (1 - v["shrink_high"] / n),  # mean(eps_high c_plus)
+        "actor/sat_intercepted_frac": v["band"] / n,  # clipped by SAT, not by the base loss
+        "actor/mismatch_abs_mean": v["abs_sum"] / n,  # dbar_pi (paper Eq. 52)
+    }
+
+
+STAT_NAMES = ["unclipped", "lower", "d_sum", "abs_sum", "band", "extreme", "q", "c_min", "shrink_low", "shrink_high"]
+
+
+def token_surrogate(
+    log_prob: torch.Tensor,
+    old_log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    score_ref: torch.Tensor,
+    mu: torch.Tensor,
+    rule: tuple[float, str, float],
+    eps_low: float,
+    eps_high: float,
+    clip_ratio_c: float,
+    step: StepScore | None = None,
+) -> Surrogate | None:
+    """SAT-PPO's -S with verl's dual clip (SPEC §2), as ``ClippedSurrogate``.
+
+    d   = clamp(log pi - log pi_old, -20, 20) at active tokens, 0 at padding
+    r   = exp(d)                                                    (the tensor verl exponentiates)
+    -S  = clamp(-A r, -A b, c |A|),  b = 1 + eps_high~ (A > 0) or 1 - eps_low~ (A < 0)
+        = max(-A r, -A clip(r, 1 - eps_low~, 1 + eps_high~)), then min(., -A c) for A < 0
+    ``rule`` = (alpha, kernel, exponent). The score d (and dbar_pi) use ``score_ref`` (``mu``);
+    ``step``: the step's score log pi and q, when taken over the optimizer step.
+    """
+    alpha, kernel, exponent = rule
+    step = step or StepScore()
+    with torch.no_grad():
+        lp = log_prob.detach()
+        d, n, clean = _masked(
+            torch.sub(lp, old_log_prob).clamp_(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP),
+            response_mask,
+            lambda: padded_log_ratio(lp, old_log_prob, response_mask, clamp=True),
+        )
+        if n == 0:
+            return None
+        if step.log_prob is not None:  # the step's scoring pass: d at the step's weights
+            ds = padded_log_ratio(step.log_prob, score_ref, response_mask, clamp=True)
+        else:
+            ds = d if score_ref is old_log_prob else padded_log_ratio(lp, score_ref, response_mask, clamp=True)
+        abs_ds = ds.abs()
+        f = padded_factors(ds, n, alpha, kernel, exponent, abs_ds, q=step.q)
+        if mu is score_ref and step.log_prob is None:
+            abs_d = abs_ds
+        else:
+            abs_d = padded_log_ratio(lp, mu, response_mask, clamp=True).abs_()
+        if f.idx.numel() == 0:
+            return _ungated(f, n, abs_d, clean, eps_low, eps_high)
+        ratio = torch.exp(d)
+        lo, hi = endpoints(ratio.dtype, ratio.device, eps_low, eps_high)
+        neg_adv = -advantages
+        bound = torch.lerp(lo, hi, torch.sign(advantages).clamp_(min=0))  # 1 + eps_high if A > 0, else 1 - eps_low
+        n_band = torch.zeros((), dtype=torch.float64, device=d.device)
+        if f.idx.numel():
+            adv_g = advantages.reshape(-1)[f.idx]
+            bound_g = _gated_bound(adv_g, f.positive, f.c, eps_low, eps_high).to(bound.dtype)
+            bound.view(-1)[f.idx] = bound_g
+            n_band = _band(ratio.reshape(-1)[f.idx], adv_g, bound_g, lo, hi).sum().double()
+        p1 = neg_adv * ratio  # -A r
+        upper = advantages.abs().mul_(clip_ratio_c)  # -A c where A < 0 (dual clip); >= -S where A > 0
+        loss = torch.clamp(p1, neg_adv.mul(bound), upper)
+        kept = _kept(loss, p1, response_mask)
+        n_lower = p1.sub_(loss).clamp_(min=0).sign_().sum(dtype=torch.float64)  # dual clip: -S < -A r
+        f64 = torch.float64
+        stats = [kept.sum(dtype=f64), n_lower, d.sum(dtype=f64), abs_d.sum(dtype=f64), n_band, d.amin().double()]
+        stats = torch.stack(stats + _sat_values(f.c, f.positive, f.q)).tolist()
+        ratio_kept = ratio.mul_(kept)
+        if stats[STAT_NAMES.index("extreme")] <= -LOG_RATIO_CLAMP:  # verl's clamp passes no gradient below
+            ratio_kept.mul_((lp - old_log_prob) >= -LOG_RATIO_CLAMP)
+    loss = ClippedSurrogate.apply(log_prob, loss, neg_adv, ratio_kept)
+    metrics = _metrics(STAT_NAMES, stats, n, eps_low, eps_high)
+    metrics["actor/sat_gate_rate"] = f.idx.numel() / n  # mean 1{q > 0, |d| > q} over T_act
+    return Surrogate(loss=loss, factors=f, n_gated=f.idx.numel(), metrics=metrics)
+
+
+def sequence_surrogate(
+    log_prob: torch.Tensor,
+    old_log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    score_ref: torch.Tensor,
+    mu: torch.Tensor,
+    rule: tuple[float, str, float],
+    eps_low: float,
+    eps_high: float,
+    step: StepScore | None = None,
+) -> Surrogate | None:
+    """SAT-GSPO's -S (SPEC §3), as ``ClippedSurrogate``.
+
+    log rho_b = sum_t (log pi - log pi_old) m / max(|y_b|, 1)      (verl's gspo, the same ops)
+    s_{b,t}   = exp(min(log rho_b, 10)), gradient form sg[rho_b] pi / sg[pi]
+    -S        = max(-A s, -A b),  b = 1 + eps_high~_b (A > 0) or 1 - eps_low~_b (A < 0)
+    The score is log rho_b on each of the |y_b| tokens of response b, so q is the length-weighted
+    quantile of B sequence scores and the contraction is per sequence.
+    """
+    step = step or StepScore()
+    with torch.no_grad():
+        lp = log_prob.detach()
+        log_r = lp - old_log_prob
+        d, n, clean = _masked(log_r, response_mask, lambda: padded_log_ratio(lp, old_log_prob, response_mask, False))
+        if n == 0:
+            return None
+        lengths = torch.sum(response_mask, dim=-1)
+        seq_lengths = lengths.clamp(min=1)
+        log_rho = torch.sum(d, dim=-1) / seq_lengths  # log rho_b
+        score = log_rho
+        if step.log_prob is not None:  # the step's scoring pass: log rho_b at the step's weights
+            score = padded_log_ratio(step.log_prob, score_ref, response_mask, clamp=False).sum(-1) / seq_lengths
+        elif score_ref is not old_log_prob:
+            score = padded_log_ratio(lp, score_ref, response_mask, clamp=False).sum(-1) / seq_lengths
+        f, rows, lo_b, hi_b = sequence_factors(score, lengths, n, rule, eps_low, eps_high, q=step.q)
+        f = token_factors(f, response_mask)
+        abs_d = d.abs() if mu is old_log_prob else padded_log_ratio(lp, mu, response_mask, clamp=False).abs_()
+        if f.idx.numel() == 0:
+            return _ungated(f, n, abs_d, clean, eps_low, eps_high)
+        s = torch.exp(log_rho.unsqueeze(-1).expand_as(lp).contiguous().clamp_(max=GSPO_LOG_RATIO_MAX))
+        neg_adv = -advantages
+        bound = torch.lerp(lo_b.unsqueeze(-1), hi_b.unsqueeze(-1), torch.sign(advantages).clamp_(min=0))
+        p1 = neg_adv * s  # -A s
+        loss = torch.maximum(p1, neg_adv.mul(bound))
+        kept = _kept(loss, p1, response_mask)
+        n_band = torch.zeros((), dtype=torch.float64, device=d.device)
+        if rows.numel():
+            lo, hi = endpoints(s.dtype, s.device, eps_low, eps_high)
+            band = _band(s[rows], advantages[rows], bound[rows].to(s.dtype), lo, hi)
+            n_band = (band & response_mask[rows].bool()).sum().double()
+        n_lower = torch.zeros((), dtype=torch.float64, device=d.device)  # no dual clip in GSPO
+        f64 = torch.float64
+        stats = [kept.sum(dtype=f64), n_lower, d.sum(dtype=f64), abs_d.sum(dtype=f64), n_band, log_rho.amax().double()]
+        stats = torch.stack(stats + _sat_values(f.c, f.positive, f.q)).tolist()
+        ratio_kept = s.mul_(kept)
+        if stats[STAT_NAMES.index("extreme")] > GSPO_LOG_RATIO_MAX:  # verl's clamp passes no gradient above
+            ratio_kept.mul_((log_rho <= GSPO_LOG_RATIO_MAX).unsqueeze(-1))
+    loss = ClippedSurrogate.apply(log_prob, loss, neg_adv, ratio_kept)
+    metrics = _metrics(STAT_NAMES, stats, n, eps_low, eps_high)
+    metrics["actor/pg_clipfrac_lower"] = 0.0
+    metrics["actor/sat_gate_rate"] = f.idx.numel() / n  # mean 1{q > 0, |d| > q} over T_act
+    return Surrogate(loss=loss, factors=f, n_gated=f.idx.numel(), metrics=metrics)
+
+
+def sequence_factors(
+    score: torch.Tensor,
+    lengths: torch.Tensor,
+    n: int,
+    rule: tuple[float, str, float],
+    eps_low: float,
+    eps_high: float,
+    q: torch.Tensor | None = None,
+) -> tuple[SATFactors, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """The rule on a sequence score broadcast to its |y_b| active tokens (SPEC §2 steps 2-6, §3).
+
+    q = the k-th smallest, k = ceil(alpha n), n >= 1, of {|score_b| repeated |y_b| times}: the B
+    scores sorted once and their lengths accumulated (exact: integer counts in fp64); or ``q``
+    as given (the optimizer step's). Returns the
+    token-level factors, the gated rows, and the per-row endpoints 1 - eps_low~_b, 1 + eps_high~_b
+    (the base endpoints, exactly, on ungated rows; None when no row is gated).
+    """
+    alpha, kernel, exponent = rule
+    a = score.abs()
+    if q is None:  # over this micro-batch; the step's q is handed in (sat_quantile_scope=step)
+        a_sorted, order = torch.sort(a)
+        cum = torch.cumsum(lengths[order].double(), 0)
+        k = torch.tensor([quantile_rank(alpha, n)], dtype=cum.dtype, device=cum.device)
+        q = a_sorted[torch.searchsorted(cum, k)].reshape(())
+    else:
+        q = q.to(device=a.device, dtype=a.dtype)
+    rows = ((lengths > 0) & (a > q) & (q > 0)).nonzero().squeeze(-1)
+    work = torch.promote_types(score.dtype, torch.float32)
+    c_rows = kernel_psi(a[rows].to(work), q.to(work), kernel, exponent)
+    pos_rows = score[rows] > 0
+    f = SATFactors(q=q, idx=rows, c=c_rows, positive=pos_rows, shape=score.shape)  # per row
+    if rows.numel() == 0:
+        return f, rows, None, None
+    lo = torch.full_like(score, 1.0 - eps_low)
+    hi = torch.full_like(score, 1.0 + eps_high)
+    hi[rows] = torch.where(pos_rows, 1.0 + eps_high * c_rows, 1.0 + eps_high).to(score.dtype)
+    lo[rows] = torch.where(pos_rows, 1.0 - eps_low, 1.0 - eps_low * c_rows).to(score.dtype)
+    return f, rows, lo, hi
+
+
+def token_factors(f: SATFactors, response_mask: torch.Tensor) -> SATFactors:
+    """The per-row factors of ``sequence_factors`` at the active tokens of the gated rows."""
+    rows = f.idx
+    tok = response_mask[rows].bool().nonzero()
+    idx = rows[tok[:, 0]] * response_mask.shape[-1] + tok[:, 1]
+    return SATFactors(q=f.q, idx=idx, c=f.c[tok[:, 0]], positive=f.positive[tok[:, 0]], shape=response_mask.shape)
