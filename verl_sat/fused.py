@@ -253,13 +253,24 @@ def sequence_surrogate(
     step = step or StepScore()
     with torch.no_grad():
         lp = log_prob.detach()
-        log_r = lp - old_log_prob
-        d, n, clean = _masked(log_r, response_mask, lambda: padded_log_ratio(lp, old_log_prob, response_mask, False))
+        lengths = torch.sum(response_mask, dim=-1)  # |y_b|
+        d = torch.sub(lp, old_log_prob)
+        d = d.mul_(response_mask) if d.dtype == torch.promote_types(d.dtype, response_mask.dtype) else d * response_mask
+        row_sum = torch.sum(d, dim=-1)
+        # one transfer: n active, the finiteness check (row sums are NaN where padding held -inf or
+        # NaN), and the responses with an active token
+        f64 = torch.float64
+        n, total, n_seqs = torch.stack(
+            [lengths.sum(dtype=f64), row_sum.sum(dtype=f64), (lengths > 0).sum().to(f64)]
+        ).tolist()
+        n, clean = int(n), math.isfinite(total)
         if n == 0:
             return None
-        lengths = torch.sum(response_mask, dim=-1)
+        if not clean:
+            d = padded_log_ratio(lp, old_log_prob, response_mask, False).to(d.dtype)
+            row_sum = torch.sum(d, dim=-1)
         seq_lengths = lengths.clamp(min=1)
-        log_rho = torch.sum(d, dim=-1) / seq_lengths  # log rho_b
+        log_rho = row_sum / seq_lengths  # log rho_b
         score = log_rho
         if step.log_prob is not None:  # the step's scoring pass: log rho_b at the step's weights
             score = padded_log_ratio(step.log_prob, score_ref, response_mask, clamp=False).sum(-1) / seq_lengths
@@ -269,7 +280,9 @@ def sequence_surrogate(
         f = token_factors(f, response_mask)
         abs_d = d.abs() if mu is old_log_prob else padded_log_ratio(lp, mu, response_mask, clamp=False).abs_()
         if f.idx.numel() == 0:
-            return _ungated(f, n, abs_d, clean, eps_low, eps_high)
+            out = _ungated(f, n, abs_d, clean, eps_low, eps_high)
+            out.metrics["actor/sat_seqs_per_micro_batch"] = n_seqs
+            return out
         s = torch.exp(log_rho.unsqueeze(-1).expand_as(lp).contiguous().clamp_(max=GSPO_LOG_RATIO_MAX))
         neg_adv = -advantages
         bound = torch.lerp(lo_b.unsqueeze(-1), hi_b.unsqueeze(-1), torch.sign(advantages).clamp_(min=0))
@@ -292,6 +305,7 @@ def sequence_surrogate(
     metrics = _metrics(STAT_NAMES, stats, n, eps_low, eps_high)
     metrics["actor/pg_clipfrac_lower"] = 0.0
     metrics["actor/sat_gate_rate"] = f.idx.numel() / n  # mean 1{q > 0, |d| > q} over T_act
+    metrics["actor/sat_seqs_per_micro_batch"] = n_seqs
     return Surrogate(loss=loss, factors=f, n_gated=f.idx.numel(), metrics=metrics)
 
 

@@ -195,17 +195,21 @@ def _record(f: SATFactors) -> None:
         ctx.gate = f.gate
 
 
-def scope_metrics(log_prob: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
+def scope_metrics(log_prob: torch.Tensor, response_mask: torch.Tensor, known: dict[str, float]) -> dict[str, float]:
     """What the batch reference q was taken over (SPEC §2 step 2; the q-scope metrics):
 
     actor/sat_seqs_per_micro_batch = #responses with an active token in this micro-batch
         (SAT-GSPO with per-micro-batch q gates nothing once the top one holds 1 - alpha of its tokens)
     actor/sat_score_drift = mean over T_act of |log pi - log pi_score|: 0 when the score was
         taken at this step's weights (forward scoring pass), > 0 when it lags (old log-probs)
+    ``known``: the loss's own metrics (the sequence loss counts the responses itself).
     """
-    metrics = {"actor/sat_seqs_per_micro_batch": float(mask.any(dim=-1).sum())}
+    metrics = {}
+    if "actor/sat_seqs_per_micro_batch" not in known:
+        metrics["actor/sat_seqs_per_micro_batch"] = float((response_mask.sum(dim=-1) > 0).sum())
     ctx = _CONTEXT.get()
     if ctx is not None and ctx.score_log_prob is not None:
+        mask = response_mask.bool()
         drift = torch.where(mask, (log_prob.detach() - ctx.score_log_prob.to(log_prob.dtype)).abs(), 0.0)
         metrics["actor/sat_score_drift"] = (drift.sum() / mask.sum().clamp(min=1)).item()
     return metrics
@@ -291,7 +295,7 @@ def _finish(
     if out is None:
         return empty_batch(log_prob, eps_low, eps_high)
     _record(out.factors)
-    metrics = {**out.metrics, **scope_metrics(log_prob, response_mask.bool())}
+    metrics = {**out.metrics, **scope_metrics(log_prob, response_mask, out.metrics)}
     if out.loss is None:  # no token gated: verl's own loss, bit for bit, and its three metrics
         if not out.clean_padding:  # -inf / NaN log-probs at padding: keep verl's loss finite
             mask = response_mask.bool()
