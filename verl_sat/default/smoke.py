@@ -20,24 +20,20 @@ import json
 from pathlib import Path
 from typing import Any
 
+from verl_sat.default.model import MODEL_KWARGS
+
 # Sizes: hidden 512, 4 layers, 8 experts of width 256, top-2 (16.1M parameters with the
 # 512-token vocabulary). head_dim 64: SGLang's FlashInfer / FA3 kernels take 64, 128 or 256.
-SMOKE_MODEL_KWARGS: dict[str, Any] = dict(
-    hidden_size=512,
-    intermediate_size=1024,
-    moe_intermediate_size=256,
-    num_hidden_layers=4,
-    num_attention_heads=8,
-    num_key_value_heads=4,
-    head_dim=64,
-    num_experts=8,
-    num_experts_per_tok=2,
-    norm_topk_prob=True,
-    decoder_sparse_step=1,
-    max_position_embeddings=2048,
-    tie_word_embeddings=False,
-    rms_norm_eps=1e-6,
-)
+SMOKE_MODEL_KWARGS: dict[str, Any] = {
+    **MODEL_KWARGS,  # the CPU default's tiny Qwen3-MoE (8 experts, top-2, 4 layers), wider
+    "hidden_size": 512,
+    "intermediate_size": 1024,
+    "moe_intermediate_size": 256,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 4,
+    "head_dim": 64,
+    "max_position_embeddings": 2048,
+}
 # Megatron pads the vocabulary to a multiple of 128 anyway; padding it here keeps SGLang's and
 # Megatron's embedding shapes equal.
 VOCAB_MULTIPLE = 128
