@@ -1,0 +1,492 @@
+"""The preflight's checks (SPEC §7): pure functions ``(config, facts) -> findings``, and
+``run_checks`` over all of them (``CHECKS``). Nothing here touches the node."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import Any
+
+from omegaconf import DictConfig
+
+from verl_sat.preflight.facts import (
+    MEGATRON,
+    OPTIM,
+    ROLLOUT,
+    ROUTED_EXPERTS_ARG,
+    SGLANG_FOR_VERL,
+    VERL_VERSION,
+    Facts,
+    Finding,
+    adam_bytes_per_param,
+    as_list,
+    checkpoint_bytes,
+    dtype_bytes,
+    get,
+    gib,
+    host_optimizer_bytes,
+    is_standalone_rollout,
+    kept_checkpoints,
+    megatron_layout,
+    optimizer_offload_fraction,
+    param_count,
+    rollout_pool_gpus,
+    rollout_replica_gpus,
+    trainer_gpu_bytes,
+    trainer_gpus,
+    uses_r3,
+)
+
+
+# ---------------------------------------------------------------------------------------------
+# checks: pure functions (config, facts) -> findings
+# ---------------------------------------------------------------------------------------------
+def check_gpu_count(cfg: DictConfig, facts: Facts) -> list[Finding]:
+    """This node has the GPUs of the trainer pool plus the standalone rollout pool."""
+    n_train = int(get(cfg, "trainer.n_gpus_per_node", 0))
+    n_roll = int(get(cfg, f"{ROLLOUT}.n_gpus_per_node", 0)) if is_standalone_rollout(cfg) else 0
+    single_node = int(get(cfg, "trainer.nnodes", 1)) == 1 and int(get(cfg, f"{ROLLOUT}.nnodes", 0)) <= 1
+    need = n_train + n_roll if single_node else max(n_train, n_roll)
+    have = len(facts.gpus)
+    out = []
+    if have < need:
+        layout = f"trainer.n_gpus_per_node={n_train}" + (f" + {ROLLOUT}.n_gpus_per_node={n_roll}" if n_roll else "")
+        out.append(
+            Finding(
+                "gpu_count",
+                "trainer.n_gpus_per_node",
+                f"{layout} needs {need} GPUs on this node, {have} visible (CUDA_VISIBLE_DEVICES="
+                f"{os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}); run on a node with {need} GPUs or lower "
+                "trainer.n_gpus_per_node / actor_rollout_ref.rollout.n_gpus_per_node",
+            )
+        )
+    if not single_node:
+        out.append(
+            Finding(
+                "gpu_count", "trainer.nnodes", "multi-node layout: only this node's GPUs were checked", level="warn"
+            )
+        )
+    return out
+
+
+def check_parallel_layout(cfg: DictConfig, facts: Facts) -> list[Finding]:
+    """Megatron's TP×PP×CP and ETP×EP×PP divide the trainer GPUs; rollout replicas fill their pool."""
+    out = []
+    n_train = trainer_gpus(cfg)
+    lay = megatron_layout(cfg)
+    if str(get(cfg, "actor_rollout_ref.actor.strategy", "")) == "megatron":
+        dense = lay["tp"] * lay["pp"] * lay["cp"]
+        if n_train % dense:
+            out.append(
+                Finding(
+                    "parallel_layout",
+                    f"{MEGATRON}.tensor_model_parallel_size",
+                    f"TP {lay['tp']} × PP {lay['pp']} × CP {lay['cp']} = {dense} does not divide the {n_train} "
+                    f"trainer GPUs (trainer.nnodes × trainer.n_gpus_per_node); change {MEGATRON}."
+                    "tensor/pipeline/context_parallel_size or trainer.n_gpus_per_node",
+                )
+            )
+        expert = lay["etp"] * lay["ep"] * lay["pp"]
+        if n_train % expert:
+            out.append(
+                Finding(
+                    "parallel_layout",
+                    f"{MEGATRON}.expert_model_parallel_size",
+                    f"ETP {lay['etp']} × EP {lay['ep']} × PP {lay['pp']} = {expert} does not divide the {n_train} "
+                    f"trainer GPUs; change {MEGATRON}.expert_model_parallel_size / expert_tensor_parallel_size "
+                    "(null means ETP = TP)",
+                )
+            )
+    replica = rollout_replica_gpus(cfg)
+    pool = rollout_pool_gpus(cfg) if is_standalone_rollout(cfg) else n_train
+    pool_key = f"{ROLLOUT}.n_gpus_per_node" if is_standalone_rollout(cfg) else "trainer.n_gpus_per_node"
+    if is_standalone_rollout(cfg) and pool <= 0:
+        out.append(
+            Finding(
+                "parallel_layout",
+                f"{ROLLOUT}.nnodes",
+                f"separate_async with hybrid_engine=false needs a rollout pool: set {ROLLOUT}.nnodes >= 1 and "
+                f"{ROLLOUT}.n_gpus_per_node >= 1 (now {get(cfg, f'{ROLLOUT}.nnodes')} × "
+                f"{get(cfg, f'{ROLLOUT}.n_gpus_per_node')})",
+            )
+        )
+    elif pool % replica:
+        out.append(
+            Finding(
+                "parallel_layout",
+                f"{ROLLOUT}.tensor_model_parallel_size",
+                f"a rollout replica takes TP × DP × PP = {replica} GPUs, which does not divide the {pool} rollout "
+                f"GPUs ({pool_key}); change {ROLLOUT}.tensor_model_parallel_size or {pool_key}",
+            )
+        )
+    return out
+
+
+def check_gpu_memory(cfg: DictConfig, facts: Facts) -> list[Finding]:
+    """Free memory covers ``gpu_memory_utilization``; weights fit the trainer and rollout shards."""
+    out = []
+    util = float(get(cfg, f"{ROLLOUT}.gpu_memory_utilization", 0.5))
+    if not 0.0 < util <= 1.0:
+        return [
+            Finding("gpu_memory", f"{ROLLOUT}.gpu_memory_utilization", f"must be in (0, 1], got {util}; set e.g. 0.85")
+        ]
+    if not facts.gpus:
+        return out
+    short = [g for g in facts.gpus if g.free_bytes < util * g.total_bytes]
+    if short:
+        worst = min(short, key=lambda g: g.free_bytes)
+        out.append(
+            Finding(
+                "gpu_memory",
+                f"{ROLLOUT}.gpu_memory_utilization",
+                f"GPU(s) {[g.index for g in short]} have less free memory than gpu_memory_utilization={util} of "
+                f"their total (GPU {worst.index}: {gib(worst.free_bytes)} free of {gib(worst.total_bytes)}); "
+                f"stop the processes holding them or lower {ROLLOUT}.gpu_memory_utilization",
+            )
+        )
+    params = param_count(facts)
+    if params is None:
+        return out
+    smallest = min(g.total_bytes for g in facts.gpus)
+    rollout_shards = int(get(cfg, f"{ROLLOUT}.tensor_model_parallel_size", 1)) * int(
+        get(cfg, f"{ROLLOUT}.pipeline_model_parallel_size", 1)
+    )
+    rollout_weights = params * dtype_bytes(get(cfg, f"{ROLLOUT}.dtype", "bfloat16")) / rollout_shards
+    if rollout_weights >= util * smallest:
+        out.append(
+            Finding(
+                "gpu_memory",
+                f"{ROLLOUT}.tensor_model_parallel_size",
+                f"the rollout's weight shard (params × dtype / (TP × PP) = {gib(rollout_weights)}) leaves no KV "
+                f"cache in gpu_memory_utilization {util} × {gib(smallest)}; raise {ROLLOUT}.tensor_model_parallel_size "
+                "or gpu_memory_utilization",
+            )
+        )
+    if str(get(cfg, "actor_rollout_ref.actor.strategy", "")) == "megatron":
+        train = trainer_gpu_bytes(cfg, params)
+        if train >= smallest:
+            out.append(
+                Finding(
+                    "gpu_memory",
+                    f"{OPTIM}.override_optimizer_config.optimizer_cpu_offload",
+                    f"a trainer GPU needs at least {gib(train)} (weights + main grads + on-GPU Adam + reference "
+                    f"weights, per shard) but has {gib(smallest)}; offload the optimizer "
+                    f"({OPTIM}.override_optimizer_config.optimizer_cpu_offload=true, optimizer_offload_fraction=1.0) "
+                    f"or raise {MEGATRON}.tensor/expert_model_parallel_size",
+                )
+            )
+    return out
+
+
+def check_versions(cfg: DictConfig, facts: Facts) -> list[Finding]:
+    """verl == 0.9.1; with SGLang rollout, the sglang that verl's ``sglang`` extra pins."""
+    out = []
+    verl = facts.versions.get("verl")
+    if verl != VERL_VERSION:
+        out.append(
+            Finding(
+                "versions",
+                "verl",
+                f"verl {verl or 'not installed'}; verl-sat needs verl=={VERL_VERSION}: "
+                f"pip install 'verl[sglang,megatron]=={VERL_VERSION}'",
+            )
+        )
+    if str(get(cfg, f"{ROLLOUT}.name", "")) == "sglang":
+        want = facts.sglang_pin or SGLANG_FOR_VERL
+        have = facts.versions.get("sglang")
+        if have != want:
+            out.append(
+                Finding(
+                    "versions",
+                    "sglang",
+                    f"sglang {have or 'not installed'}; {ROLLOUT}.name=sglang and verl {VERL_VERSION}'s sglang extra "
+                    f"pins sglang=={want}: pip install 'sglang=={want}'",
+                )
+            )
+    return out
+
+
+def check_routing_replay(cfg: DictConfig, facts: Facts) -> list[Finding]:
+    """R3 on: SGLang's ServerArgs accepts ``enable_return_routed_experts``."""
+    if not uses_r3(cfg) or str(get(cfg, f"{ROLLOUT}.name", "")) != "sglang":
+        return []
+    if facts.sglang_server_args is None:
+        error = facts.import_errors.get("sglang.srt.server_args") or "not importable"
+        return [
+            Finding(
+                "routing_replay",
+                f"{ROLLOUT}.enable_rollout_routing_replay",
+                f"R3 needs SGLang's ServerArgs, but sglang.srt.server_args does not import ({error}); install "
+                f"sglang=={facts.sglang_pin or SGLANG_FOR_VERL} or turn R3 off (stabilizer=none)",
+            )
+        ]
+    if ROUTED_EXPERTS_ARG not in facts.sglang_server_args:
+        return [
+            Finding(
+                "routing_replay",
+                f"{ROLLOUT}.enable_rollout_routing_replay",
+                f"R3 is on but this SGLang's ServerArgs has no '{ROUTED_EXPERTS_ARG}' (the server cannot return "
+                f"routed experts); install sglang=={facts.sglang_pin or SGLANG_FOR_VERL} or turn R3 off",
+            )
+        ]
+    return []
+
+
+def cupy_cuda_major(distribution: str) -> str | None:
+    """``cupy-cuda12x`` -> ``12``; None for a source build (``cupy``)."""
+    tail = distribution.removeprefix("cupy-cuda")
+    return tail[:-1] if tail != distribution and tail.endswith("x") else None
+
+
+def check_checkpoint_engine(cfg: DictConfig, facts: Facts) -> list[Finding]:
+    """The weight-sync backend is registered in verl; for nccl, one cupy matching CUDA."""
+    backend = str(get(cfg, f"{ROLLOUT}.checkpoint_engine.backend", "naive"))
+    key = f"{ROLLOUT}.checkpoint_engine.backend"
+    out = []
+    cuda_major = (facts.cuda_runtime or "").split(".")[0] or None
+    fix_cupy = (
+        f"pip install cupy-cuda{cuda_major or '<CUDA major>'}x (verl's megatron extra pins cupy-cuda13x for CUDA 13)"
+    )
+    if backend not in facts.checkpoint_engines:
+        reason = facts.checkpoint_engine_errors.get(f"{backend}_checkpoint_engine", "")
+        out.append(
+            Finding(
+                "checkpoint_engine",
+                key,
+                f"{key}={backend} is not registered in verl's CheckpointEngineRegistry"
+                + (f" (its module failed: {reason})" if reason else "")
+                + (f"; {fix_cupy}" if backend == "nccl" else ""),
+            )
+        )
+    if backend == "nccl":
+        if len(facts.cupy_distributions) > 1:
+            out.append(
+                Finding(
+                    "checkpoint_engine",
+                    "cupy",
+                    f"several cupy builds installed {list(facts.cupy_distributions)}; "
+                    f"keep one: pip uninstall them, then {fix_cupy}",
+                )
+            )
+        for dist in facts.cupy_distributions:
+            major = cupy_cuda_major(dist)
+            if major and cuda_major and major != cuda_major:
+                out.append(
+                    Finding(
+                        "checkpoint_engine",
+                        "cupy",
+                        f"{dist} is built for CUDA {major}, torch runs CUDA "
+                        f"{facts.cuda_runtime}; pip uninstall {dist} && {fix_cupy}",
+                    )
+                )
+    return out
+
+
+def check_megatron(cfg: DictConfig, facts: Facts) -> list[Finding]:
+    """megatron-core imports; mbridge when ``use_mbridge``; TransformerEngine for the precision-aware Adam."""
+    if str(get(cfg, "actor_rollout_ref.actor.strategy", "")) != "megatron":
+        return []
+    needs = {"megatron.core": ("megatron-core", "actor_rollout_ref.actor.strategy=megatron")}
+    if bool(get(cfg, f"{MEGATRON}.use_mbridge", False)):
+        needs["mbridge"] = ("mbridge", f"{MEGATRON}.use_mbridge=true")
+    if bool(get(cfg, f"{OPTIM}.use_precision_aware_optimizer", False)):
+        needs["transformer_engine"] = ("transformer-engine", f"{OPTIM}.use_precision_aware_optimizer=true")
+    out = []
+    for module, (package, why) in needs.items():
+        error = facts.import_errors.get(module, "not probed")
+        if error is not None:
+            out.append(
+                Finding(
+                    "megatron",
+                    package,
+                    f"{module} does not import ({error}); {why} needs it: "
+                    f"pip install 'verl[megatron]=={VERL_VERSION}' (it pulls {package})",
+                )
+            )
+    return out
+
+
+def max_position_embeddings(cfg: DictConfig, config: dict[str, Any]) -> int | None:
+    """The model's context as verl's HFModelConfig sees it (``override_config`` applied)."""
+    override = dict(get(cfg, "actor_rollout_ref.model.override_config", {}) or {})
+    override = dict(override.get("model_config", override))
+    value = override.get("max_position_embeddings", config.get("max_position_embeddings"))
+    if value is None:
+        value = (config.get("text_config") or {}).get("max_position_embeddings")
+    return None if value is None else int(value)
+
+
+def check_context_length(cfg: DictConfig, facts: Facts) -> list[Finding]:
+    """prompt + response <= the model's max_position_embeddings (SGLang's max_model_len cap)."""
+    path = get(cfg, "actor_rollout_ref.model.path", "")
+    if facts.model.config is None:
+        return [
+            Finding(
+                "context_length",
+                "actor_rollout_ref.model.path",
+                f"no local config.json for {path} (local "
+                "directory or Hugging Face cache); download the model first to check max_position_embeddings",
+                level="warn",
+            )
+        ]
+    limit = max_position_embeddings(cfg, facts.model.config)
+    prompt, response = int(get(cfg, "data.max_prompt_length", 0)), int(get(cfg, "data.max_response_length", 0))
+    out = []
+    if limit is None:
+        return [
+            Finding(
+                "context_length",
+                "actor_rollout_ref.model.path",
+                f"{facts.model.source}/config.json has no max_position_embeddings",
+                level="warn",
+            )
+        ]
+    if prompt + response > limit:
+        out.append(
+            Finding(
+                "context_length",
+                "data.max_response_length",
+                f"data.max_prompt_length + data.max_response_length = {prompt} + {response} = {prompt + response} > "
+                f"max_position_embeddings {limit} of {facts.model.source}/config.json: SGLang caps max_model_len "
+                f"there and silently cuts responses; lower data.max_response_length to {limit - prompt} or extend "
+                "the context (actor_rollout_ref.model.override_config: rope_scaling + max_position_embeddings)",
+            )
+        )
+    max_model_len = get(cfg, f"{ROLLOUT}.max_model_len")
+    if max_model_len is not None and int(max_model_len) > limit:
+        out.append(
+            Finding(
+                "context_length",
+                f"{ROLLOUT}.max_model_len",
+                f"{ROLLOUT}.max_model_len={max_model_len} > "
+                f"max_position_embeddings {limit} (verl's SGLang server refuses it); set it <= {limit} or null",
+            )
+        )
+    return out
+
+
+def unknown_size(check: str) -> Finding:
+    return Finding(
+        check,
+        "actor_rollout_ref.model.path",
+        "not estimated: the model's weights are not on this node (no model.safetensors.index.json or *.safetensors)",
+        level="warn",
+    )
+
+
+def check_host_memory(cfg: DictConfig, facts: Facts) -> list[Finding]:
+    """Available host memory >= the offloaded optimizer's estimate (``host_optimizer_bytes``)."""
+    params = param_count(facts)
+    fraction = optimizer_offload_fraction(cfg)
+    if fraction <= 0 or facts.host_mem_available_bytes is None:
+        return []
+    if params is None:
+        return [unknown_size("host_memory")]
+    need = host_optimizer_bytes(cfg, params)
+    if facts.host_mem_available_bytes < need:
+        per = adam_bytes_per_param(cfg, bool(get(cfg, f"{OPTIM}.override_optimizer_config.optimizer_cpu_offload")))
+        return [
+            Finding(
+                "host_memory",
+                f"{OPTIM}.override_optimizer_config.optimizer_offload_fraction",
+                f"the offloaded optimizer needs params × fraction × bytes = {params / 1e9:.1f}e9 × {fraction} × {per} "
+                f"= {gib(need)} of host memory, {gib(facts.host_mem_available_bytes)} available; use a node with "
+                f"more memory or lower {OPTIM}.override_optimizer_config.optimizer_offload_fraction",
+            )
+        ]
+    return []
+
+
+def check_disk(cfg: DictConfig, facts: Facts) -> list[Finding]:
+    """Free disk at ``trainer.default_local_dir`` >= kept checkpoints × ``checkpoint_bytes``."""
+    params = param_count(facts)
+    kept = kept_checkpoints(cfg)
+    if facts.disk_free_bytes is None or kept == 0:
+        return []
+    if params is None:
+        return [unknown_size("disk")]
+    size = checkpoint_bytes(cfg, params)
+    if facts.disk_free_bytes < kept * size:
+        return [
+            Finding(
+                "disk",
+                "trainer.max_actor_ckpt_to_keep",
+                f"{kept} kept checkpoints × {gib(size)} (params × (model dtype + Adam bytes)) = {gib(kept * size)}, "
+                f"but {gib(facts.disk_free_bytes)} free at trainer.default_local_dir="
+                f"{get(cfg, 'trainer.default_local_dir')}; free disk, point sat.run_dir elsewhere or lower "
+                "trainer.max_actor_ckpt_to_keep",
+            )
+        ]
+    return []
+
+
+def check_data(cfg: DictConfig, facts: Facts) -> list[Finding]:
+    """Train/val files exist with the prompt, ``reward_model.ground_truth`` and data-source columns."""
+    prompt_key = str(get(cfg, "data.prompt_key", "prompt"))
+    source_key = str(get(cfg, "data.reward_fn_key", "data_source"))
+    out = []
+    for key in ("data.train_files", "data.val_files"):
+        for path in as_list(get(cfg, key)):
+            schema = facts.data_schemas.get(path, "not probed")
+            if isinstance(schema, str):
+                out.append(
+                    Finding(
+                        "data",
+                        key,
+                        f"{key}: {path}: {schema}; write it with python -m "
+                        "verl_sat.data.prepare_math --out DIR (run.sh: DATA_DIR=DIR)",
+                    )
+                )
+                continue
+            missing = [c for c in (prompt_key, source_key) if c not in schema]
+            if "ground_truth" not in schema.get("reward_model", ()):
+                missing.append("reward_model.ground_truth")
+            if missing:
+                out.append(
+                    Finding(
+                        "data",
+                        key,
+                        f"{key}: {path} lacks column(s) {missing} (has {sorted(schema)}); the "
+                        f"recipe reads data.prompt_key={prompt_key}, data.reward_fn_key={source_key} and "
+                        "reward_model.ground_truth: rewrite it with python -m verl_sat.data.prepare_math",
+                    )
+                )
+    return out
+
+
+def check_reward_function(cfg: DictConfig, facts: Facts) -> list[Finding]:
+    """The reward function loads: ``reward.custom_reward_function.path/name``, else verl's default."""
+    if facts.reward_fn_error is None:
+        return []
+    path = get(cfg, "reward.custom_reward_function.path")
+    key = "reward.custom_reward_function.path" if path else "reward.custom_reward_function"
+    what = f"{path}:{get(cfg, 'reward.custom_reward_function.name')}" if path else "verl's default_compute_score"
+    return [
+        Finding(
+            "reward",
+            key,
+            f"the reward function {what} does not load ({facts.reward_fn_error}); fix "
+            "reward.custom_reward_function.path/name",
+        )
+    ]
+
+
+CHECKS: tuple[Callable[[DictConfig, Facts], list[Finding]], ...] = (
+    check_gpu_count,
+    check_parallel_layout,
+    check_gpu_memory,
+    check_versions,
+    check_routing_replay,
+    check_checkpoint_engine,
+    check_megatron,
+    check_context_length,
+    check_host_memory,
+    check_disk,
+    check_data,
+    check_reward_function,
+)
+
+
+def run_checks(cfg: DictConfig, facts: Facts) -> list[Finding]:
+    """Every check of ``CHECKS`` on one resolved config and one node's facts."""
+    return [finding for check in CHECKS for finding in check(cfg, facts)]

@@ -1,0 +1,213 @@
+"""The preflight's probe (SPEC §7): the only place that inspects the node. torch, sglang,
+megatron, cupy, pyarrow and verl's checkpoint engines are imported inside the ``probe_*``
+functions only, so importing this module stays light."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Sequence
+from pathlib import Path
+
+from omegaconf import DictConfig
+
+from verl_sat.preflight.facts import (
+    GPU,
+    PROBED_DISTRIBUTIONS,
+    PROBED_MODULES,
+    Facts,
+    ModelFacts,
+    as_list,
+    get,
+)
+
+
+# ---------------------------------------------------------------------------------------------
+# probe: the only place that touches the node (heavy imports inside)
+# ---------------------------------------------------------------------------------------------
+def one_line(error: BaseException) -> str:
+    text = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {text[0] if text else ''}"[:300]
+
+
+def probe_gpus() -> tuple[tuple[GPU, ...], str | None]:
+    try:
+        import torch
+    except ImportError:
+        return (), None
+    if not torch.cuda.is_available():
+        return (), torch.version.cuda
+    gpus = []
+    for i in range(torch.cuda.device_count()):
+        free, total = torch.cuda.mem_get_info(i)
+        gpus.append(GPU(i, torch.cuda.get_device_name(i), int(total), int(free)))
+    return tuple(gpus), torch.version.cuda
+
+
+def probe_versions() -> tuple[dict[str, str | None], str | None, tuple[str, ...]]:
+    """Installed versions, verl's sglang pin (its METADATA) and the cupy distributions."""
+    from importlib import metadata
+
+    versions: dict[str, str | None] = {}
+    for name in PROBED_DISTRIBUTIONS:
+        try:
+            versions[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            versions[name] = None
+    pin = None
+    try:
+        for req in metadata.requires("verl") or []:
+            spec, _, marker = req.partition(";")
+            if spec.replace(" ", "").startswith("sglang==") and "sglang" in marker:
+                pin = spec.split("==", 1)[1].strip()
+    except metadata.PackageNotFoundError:
+        pass
+    cupy = sorted(
+        {
+            d.metadata["Name"].lower()
+            for d in metadata.distributions()
+            if (d.metadata["Name"] or "").lower().startswith("cupy")
+        }
+    )
+    return versions, pin, tuple(cupy)
+
+
+def probe_imports() -> tuple[dict[str, str | None], frozenset[str] | None]:
+    import dataclasses
+    import importlib
+
+    errors: dict[str, str | None] = {}
+    server_args = None
+    for module in PROBED_MODULES:
+        try:
+            mod = importlib.import_module(module)
+            errors[module] = None
+            if module == "sglang.srt.server_args":
+                server_args = frozenset(f.name for f in dataclasses.fields(mod.ServerArgs))
+        except Exception as err:  # noqa: BLE001 (any import failure is a fact to report)
+            errors[module] = one_line(err)
+    return errors, server_args
+
+
+def probe_checkpoint_engines() -> tuple[frozenset[str], dict[str, str]]:
+    try:
+        from verl.checkpoint_engine import CheckpointEngineRegistry
+    except Exception as err:  # noqa: BLE001
+        return frozenset(), {"verl.checkpoint_engine": one_line(err)}
+    errors = {module: one_line(err) for module, err in CheckpointEngineRegistry._import_errors.items()}
+    return frozenset(CheckpointEngineRegistry._registry), errors
+
+
+def probe_host_memory() -> int | None:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def probe_disk(path: str) -> int | None:
+    """Free bytes on the file system that will hold ``path`` (its nearest existing parent)."""
+    target = Path(path).expanduser().absolute()
+    while not target.exists() and target != target.parent:
+        target = target.parent
+    try:
+        return shutil.disk_usage(target).free
+    except OSError:
+        return None
+
+
+def local_model_dir(path: str) -> Path | None:
+    """A local directory, or the Hugging Face cache's snapshot of a hub id (never downloads)."""
+    local = Path(path).expanduser()
+    if local.is_dir():
+        return local
+    try:
+        from huggingface_hub import try_to_load_from_cache
+    except ImportError:
+        return None
+    try:
+        found = try_to_load_from_cache(repo_id=path, filename="config.json")
+    except Exception:  # noqa: BLE001 (not a valid repo id: not cached)
+        return None
+    return Path(found).parent if isinstance(found, str) else None
+
+
+def probe_model(path: str) -> ModelFacts:
+    directory = local_model_dir(path)
+    if directory is None or not (directory / "config.json").is_file():
+        return ModelFacts()
+    config = json.loads((directory / "config.json").read_text())
+    index = directory / "model.safetensors.index.json"
+    weight_bytes = None
+    if index.is_file():
+        weight_bytes = json.loads(index.read_text()).get("metadata", {}).get("total_size")
+    if weight_bytes is None:
+        shards = list(directory.glob("*.safetensors"))
+        weight_bytes = sum(s.stat().st_size for s in shards) if shards else None
+    return ModelFacts(str(directory), config, None if weight_bytes is None else int(weight_bytes))
+
+
+def probe_data(paths: Sequence[str]) -> dict[str, dict[str, tuple[str, ...]] | str]:
+    """Each data file's columns (and struct fields), from the parquet schema alone."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    out: dict[str, dict[str, tuple[str, ...]] | str] = {}
+    for path in paths:
+        local = Path(path).expanduser()
+        if not local.is_file():
+            out[path] = "file not found"
+            continue
+        try:
+            schema = pq.read_schema(local)
+        except Exception as err:  # noqa: BLE001
+            out[path] = f"not a readable parquet file ({one_line(err)})"
+            continue
+        out[path] = {
+            f.name: tuple(f.type.field(i).name for i in range(f.type.num_fields)) if pa.types.is_struct(f.type) else ()
+            for f in schema
+        }
+    return out
+
+
+def probe_reward(cfg: DictConfig) -> str | None:
+    """None when verl can load the reward function (``load_extern_object``, as verl does)."""
+    path, name = get(cfg, "reward.custom_reward_function.path"), get(cfg, "reward.custom_reward_function.name")
+    try:
+        if path:
+            from verl.utils.import_utils import load_extern_object
+
+            fn = load_extern_object(module_path=path, object_name=name)
+        else:
+            from verl.utils.reward_score import default_compute_score as fn
+        return None if callable(fn) else f"{name} is not callable"
+    except Exception as err:  # noqa: BLE001
+        return one_line(err)
+
+
+def probe(cfg: DictConfig) -> Facts:
+    """Gather the node's facts for one resolved config (GPUs, packages, memory, disk, files)."""
+    gpus, cuda = probe_gpus()
+    versions, pin, cupy = probe_versions()
+    imports, server_args = probe_imports()
+    engines, engine_errors = probe_checkpoint_engines()
+    data_files = as_list(get(cfg, "data.train_files")) + as_list(get(cfg, "data.val_files"))
+    return Facts(
+        gpus=gpus,
+        cuda_runtime=cuda,
+        versions=versions,
+        sglang_pin=pin,
+        import_errors=imports,
+        sglang_server_args=server_args,
+        checkpoint_engines=engines,
+        checkpoint_engine_errors=engine_errors,
+        cupy_distributions=cupy,
+        host_mem_available_bytes=probe_host_memory(),
+        disk_free_bytes=probe_disk(str(get(cfg, "trainer.default_local_dir", "."))),
+        model=probe_model(str(get(cfg, "actor_rollout_ref.model.path", ""))),
+        data_schemas=probe_data(data_files),
+        reward_fn_error=probe_reward(cfg),
+    )
