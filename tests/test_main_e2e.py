@@ -104,10 +104,18 @@ def test_one_sequence_per_micro_batch_still_gates_one_minus_alpha_of_the_step(as
 
 @pytest.mark.parametrize("mode", ["sync", "colocate_async"])
 def test_colocated_modes(assets, tmp_path, mode):
-    rows, _ = run_main(assets, tmp_path / "run", f"trainer.v1.trainer_mode={mode}", "sat.lag=1")
+    """sync runs with two data-parallel trainer ranks and one response per micro-batch: the
+    step's q is all-reduced across ranks (verl_sat.quantile) inside verl's FSDP engine."""
+    dp2 = ["trainer.n_gpus_per_node=2", "ray_kwargs.ray_init.num_gpus=2"]
+    dp2 += ["actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=1"]
+    extra = dp2 if mode == "sync" else []
+    rows, _ = run_main(assets, tmp_path / "run", f"trainer.v1.trainer_mode={mode}", "sat.lag=1", *extra)
     check_sat_run(rows, lag=1)
     if mode == "sync":
         assert all(r["training/sat/staleness_steps/max"] == 0 for r in rows)  # on-policy: fresh weights
+        for row in rows:  # the step's exact gate rate over both ranks' tokens, at the step's weights
+            assert 0.04 <= row["actor/sat_gate_rate"] <= 0.1 + 1e-9
+            assert row["actor/sat_seqs_per_micro_batch"] == 1.0 and row["actor/sat_score_drift"] == 0.0
 
 
 def test_decoupled_score_against_rollout_log_probs(assets, tmp_path):
