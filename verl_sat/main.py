@@ -28,6 +28,7 @@ from typing import Any
 import hydra
 from omegaconf import DictConfig, OmegaConf, open_dict
 
+from verl_sat import job_summary
 from verl_sat.paths import hydra_config_dir
 from verl_sat.schedule import (
     SATRecipeConfig,
@@ -52,7 +53,7 @@ PROGRESS_KEYS = {
 # ---------------------------------------------------------------------------------------------
 def default_assets_dir() -> Path:
     root = os.environ.get("XDG_CACHE_HOME", str(Path.home() / ".cache"))
-    return Path(root) / "verl-sat" / "tiny_moe_v1"
+    return Path(root) / "verl-sat" / "tiny_moe_v2"
 
 
 def assets_complete(assets: Path) -> bool:
@@ -203,7 +204,8 @@ class ProgressPrinter(threading.Thread):
         self.flush()
 
 
-def summary(rows: list[dict[str, Any]], seconds: float) -> str:
+def summary(rows: list[dict[str, Any]], seconds: float, lag: int = 1) -> str:
+    """The closing line: steps, quarter rewards, gate, staleness and where a step's time went."""
     if not rows:
         return f"[verl-sat] no training step completed ({seconds:.0f} s)"
     rewards = [r[PROGRESS_KEYS["reward"]] for r in rows if PROGRESS_KEYS["reward"] in r]
@@ -217,6 +219,9 @@ def summary(rows: list[dict[str, Any]], seconds: float) -> str:
         parts.append(f"mean gate rate {sum(gate) / len(gate):.3f}")
     if staleness:
         parts.append(f"max staleness {max(staleness):.0f} steps")
+    split = job_summary.format_split(job_summary.timing_split(rows), lag)
+    if split:
+        parts.append(split)
     return " | ".join(parts)
 
 
@@ -264,8 +269,10 @@ def run(cfg: DictConfig) -> list[dict[str, Any]]:
         if ray.is_initialized():
             ray.shutdown()
     rows = read_metrics(run_dir / METRICS_FILE)
-    print(summary(rows, time.perf_counter() - start), flush=True)
+    print(summary(rows, time.perf_counter() - start, sat.lag), flush=True)
     print(f"[verl-sat] metrics: {run_dir / METRICS_FILE}", flush=True)
+    if rows:
+        print(f"[verl-sat] reward curve: {job_summary.plot_job(rows, run_dir / 'reward.png')}", flush=True)
     return rows
 
 

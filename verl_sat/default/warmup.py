@@ -25,7 +25,7 @@ from verl_sat.default.reward import compute_score
 class WarmupArgs:
     """Warm-up settings."""
 
-    steps: int = 150
+    steps: int = 400
     """optimizer steps"""
     batch_size: int = 32
     """sequences per step"""
