@@ -83,7 +83,8 @@ def build_assets_once(assets: Path) -> None:
         info = warmup.build(target)
         if target != assets:
             os.replace(target, assets)
-        print(f"[verl-sat] warm-up done: sampled accuracy {info['sampled_accuracy']:.2f}", flush=True)
+        accuracy, steps = info["sampled_accuracy"], info.get("steps", "?")
+        print(f"[verl-sat] warm-up done: sampled accuracy {accuracy:.2f} after {steps} steps", flush=True)
 
 
 def ensure_default_assets(cfg: DictConfig, sat: SATRecipeConfig) -> None:
