@@ -62,7 +62,7 @@ def assets_complete(assets: Path) -> bool:
 
 
 def build_assets_once(assets: Path) -> None:
-    """Build the default's assets unless complete (~1 min); safe when several jobs start at once.
+    """Build the default's assets unless complete (~2-3 min); safe when several jobs start at once.
 
     Builders queue on a lock file beside ``assets`` and re-check after taking it, so one builds
     and the others reuse its result. A fresh build goes to a temporary directory renamed into
@@ -76,7 +76,7 @@ def build_assets_once(assets: Path) -> None:
         fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
         if assets_complete(assets):
             return
-        print(f"[verl-sat] building the embedded tiny MoE and task in {assets} (once, ~1 min)", flush=True)
+        print(f"[verl-sat] building the embedded tiny MoE and task in {assets} (once, ~2-3 min)", flush=True)
         for stale in assets.parent.glob(f".{assets.name}.building-*"):  # a crashed build; we hold the lock
             shutil.rmtree(stale, ignore_errors=True)
         target = assets if assets.exists() else assets.parent / f".{assets.name}.building-{os.getpid()}"
@@ -88,7 +88,7 @@ def build_assets_once(assets: Path) -> None:
 
 
 def ensure_default_assets(cfg: DictConfig, sat: SATRecipeConfig) -> None:
-    """Build (once, ~1 min) and point the config at the embedded tiny model, data and reward."""
+    """Build (once, ~2-3 min) and point the config at the embedded tiny model, data and reward."""
     from verl_sat.default import reward
 
     assets = Path(sat.assets_dir) if sat.assets_dir else default_assets_dir()
