@@ -33,6 +33,7 @@ from typing import Any
 import hydra
 from omegaconf import DictConfig, ListConfig, OmegaConf, open_dict
 
+from verl_sat import job_summary
 from verl_sat.console import CONSOLE_LOG, quiet_console, quiet_sources
 from verl_sat.paper_table import derive_method
 from verl_sat.paths import hydra_config_dir
@@ -62,7 +63,7 @@ PROGRESS_KEYS = {
 # ---------------------------------------------------------------------------------------------
 def default_assets_dir() -> Path:
     root = os.environ.get("XDG_CACHE_HOME", str(Path.home() / ".cache"))
-    return Path(root) / "verl-sat" / "tiny_moe_v1"
+    return Path(root) / "verl-sat" / "tiny_moe_v2"
 
 
 def assets_complete(assets: Path) -> bool:
@@ -71,7 +72,7 @@ def assets_complete(assets: Path) -> bool:
 
 
 def build_assets_once(assets: Path) -> None:
-    """Build the default's assets unless complete (~1 min); safe when several jobs start at once.
+    """Build the default's assets unless complete (~2-3 min); safe when several jobs start at once.
 
     Builders queue on a lock file beside ``assets`` and re-check after taking it, so one builds
     and the others reuse its result. A fresh build goes to a temporary directory renamed into
@@ -85,14 +86,15 @@ def build_assets_once(assets: Path) -> None:
         fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
         if assets_complete(assets):
             return
-        print(f"[verl-sat] building the embedded tiny MoE and task in {assets} (once, ~1 min)", flush=True)
+        print(f"[verl-sat] building the embedded tiny MoE and task in {assets} (once, ~2-3 min)", flush=True)
         for stale in assets.parent.glob(f".{assets.name}.building-*"):  # a crashed build; we hold the lock
             shutil.rmtree(stale, ignore_errors=True)
         target = assets if assets.exists() else assets.parent / f".{assets.name}.building-{os.getpid()}"
         info = warmup.build(target)
         if target != assets:
             os.replace(target, assets)
-        print(f"[verl-sat] warm-up done: sampled accuracy {info['sampled_accuracy']:.2f}", flush=True)
+        accuracy, steps = info["sampled_accuracy"], info.get("steps", "?")
+        print(f"[verl-sat] warm-up done: sampled accuracy {accuracy:.2f} after {steps} steps", flush=True)
 
 
 def make_run_dir(cfg: DictConfig, sat: SATRecipeConfig) -> Path:
@@ -210,7 +212,7 @@ def ensure_default_assets(cfg: DictConfig, sat: SATRecipeConfig) -> dict[str, st
 
     A value the user passed (command line, their own config, a recipe) is kept, whatever it is;
     our default configs leave the four keys null so that "null" is what "unset" means. The tiny
-    model and data are built (once, ~1 min) only when the model or a data split is to be filled.
+    model and data are built (once, ~2-3 min) only when the model or a data split is to be filled.
     The reward's function name defaults to ``compute_score``; a name the user set must exist in
     the embedded reward module.
     """
@@ -321,7 +323,8 @@ class ProgressPrinter(threading.Thread):
         self.flush()
 
 
-def summary(rows: list[dict[str, Any]], seconds: float) -> str:
+def summary(rows: list[dict[str, Any]], seconds: float, lag: int = 1) -> str:
+    """The closing line: steps, quarter rewards, gate, staleness and where a step's time went."""
     if not rows:
         return f"[verl-sat] no training step completed ({seconds:.0f} s)"
     rewards = [r[PROGRESS_KEYS["reward"]] for r in rows if PROGRESS_KEYS["reward"] in r]
@@ -335,6 +338,9 @@ def summary(rows: list[dict[str, Any]], seconds: float) -> str:
         parts.append(f"mean gate rate {sum(gate) / len(gate):.3f}")
     if staleness:
         parts.append(f"max staleness {max(staleness):.0f} steps")
+    split = job_summary.format_split(job_summary.timing_split(rows), lag)
+    if split:
+        parts.append(split)
     return " | ".join(parts)
 
 
@@ -414,8 +420,10 @@ def run(cfg: DictConfig) -> list[dict[str, Any]]:
             if ray.is_initialized():
                 ray.shutdown()
     rows = read_metrics(run_dir / METRICS_FILE)
-    print(summary(rows, time.perf_counter() - start), flush=True)
+    print(summary(rows, time.perf_counter() - start, sat.lag), flush=True)
     print(f"[verl-sat] metrics: {run_dir / METRICS_FILE}", flush=True)
+    if rows:
+        print(f"[verl-sat] reward curve: {job_summary.plot_job(rows, run_dir / 'reward.png')}", flush=True)
     return rows
 
 

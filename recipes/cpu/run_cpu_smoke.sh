@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Smoke run of verl's v1 trainer on CPU with the tiny Qwen3-MoE, the HF rollout and the CPU platform.
-# Prerequisite (once, ~1 min): python -m verl_sat.default.warmup --out "$WORK_DIR"
+# Prerequisite (once, ~2-3 min): python -m verl_sat.default.warmup --out "$WORK_DIR"
 # Usage: MODE=sync|colocate_async|separate_async bash recipes/cpu/run_cpu_smoke.sh [hydra overrides...]
 set -euo pipefail
 

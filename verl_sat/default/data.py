@@ -1,8 +1,10 @@
-"""Synthetic verifiable arithmetic in the DAPO prompt format, written as verl-format parquet.
+"""Synthetic verifiable arithmetic (two-digit addition) with DAPO's ``Answer:`` line, as verl parquet.
 
 Each row: ``data_source``, ``prompt`` (chat messages), ``ability``, ``reward_model``
-(``{"style": "rule", "ground_truth": "<int>"}``), ``extra_info``. The prompt is DAPO-Math-17k's
-template, which ends by asking for an ``Answer:`` line.
+(``{"style": "rule", "ground_truth": "<int>"}``), ``extra_info``. The prompt keeps DAPO-Math-17k's
+request for a last line ``Answer: $Answer`` in a one-line instruction: DAPO's full template is
+80 tokens of instruction for a 12-token answer, and a tiny model pays for every prompt token in
+generation, log-probs and update alike.
 
 Usage: ``python -m verl_sat.default.data --out DIR`` writes ``DIR/train.parquet`` and
 ``DIR/val.parquet``.
@@ -17,11 +19,11 @@ from pathlib import Path
 
 DATA_SOURCE = "verl_sat/arith"
 
-DAPO_TEMPLATE = (
-    "Solve the following math problem step by step. The last line of your response should be of the "
-    "form Answer: $Answer (without quotes) where $Answer is the answer to the problem.\n\n"
-    '{problem}\n\nRemember to put your answer on its own line after "Answer:".'
-)
+TEMPLATE = "{problem} End with the line Answer: $Answer"
+"""The user message: the question, then DAPO's answer-format instruction."""
+
+MAX_OPERAND = 99
+"""Operands are drawn from [0, MAX_OPERAND]."""
 
 
 @dataclass(frozen=True)
@@ -47,18 +49,17 @@ class Problem:
 
 
 def sample_problem(rng: random.Random) -> Problem:
-    """Addition of two numbers in [0, 15] (80%) or a small multiplication (20%).
+    """Addition of two numbers in [0, MAX_OPERAND].
 
-    Small on purpose: a ~1M-parameter model gets some of these right after a minute of SFT.
+    A ~1M-parameter model learns the digits' pattern in a minute of SFT but still samples wrong
+    carries at temperature 1, so RL starts near 0.3-0.5 and has room to climb.
     """
-    if rng.random() < 0.8:
-        return Problem(rng.randint(0, 15), rng.randint(0, 15), "+")
-    return Problem(rng.randint(0, 5), rng.randint(0, 9), "*")
+    return Problem(rng.randint(0, MAX_OPERAND), rng.randint(0, MAX_OPERAND), "+")
 
 
 def make_prompt(problem: Problem) -> str:
-    """The user message in DAPO format."""
-    return DAPO_TEMPLATE.format(problem=problem.text)
+    """The user message: the question and the ``Answer:`` instruction."""
+    return TEMPLATE.format(problem=problem.text)
 
 
 def to_row(problem: Problem, split: str, index: int) -> dict:

@@ -46,8 +46,8 @@ def _corpus(n: int = 300, seed: int = 1234) -> list[str]:
     """Texts the BPE is trained on: chat-formatted prompts and solutions of the task."""
     texts = []
     for p in sample_problems(n, seed):
-        texts.append(make_prompt(p))
-        texts.append(p.solution)
+        messages = [{"role": "user", "content": make_prompt(p)}, {"role": "assistant", "content": p.solution}]
+        texts.append("".join(f"{m['role']}\n{m['content']}\n" for m in messages))
     return texts
 
 

@@ -1,8 +1,11 @@
 """Supervised warm-up of the tiny Qwen3-MoE on the arithmetic task, so RL has a reward signal.
 
-A few hundred AdamW steps of response-only cross-entropy on CPU (well under a minute on two
-cores). The defaults leave the model right some of the time under temperature-1 sampling
-(roughly 10-50%), not always, so GRPO groups have reward variance.
+AdamW steps of response-only cross-entropy on CPU until the model, sampling at temperature 1,
+answers ``target_accuracy`` of fresh problems right (checked every ``check_every`` steps; at most
+``steps``). Two-digit addition is learnt in jumps (the carry), at a step count that varies with
+the seed, so a fixed step count would leave RL starting anywhere from 5% to 50%; stopping at the
+target leaves it right often enough for GRPO groups to have reward variance and wrong often
+enough to have room to climb.
 
 ``python -m verl_sat.default.warmup --out DIR`` writes the model + tokenizer to ``DIR/model`` and
 the parquet files to ``DIR/data``, and prints the sampled accuracy.
@@ -25,18 +28,34 @@ from verl_sat.default.reward import compute_score
 class WarmupArgs:
     """Warm-up settings."""
 
-    steps: int = 150
-    """optimizer steps"""
+    steps: int = 1500
+    """at most this many optimizer steps"""
+    target_accuracy: float = 0.35
+    """stop once the sampled accuracy reaches this (0: always run ``steps``)"""
+    check_every: int = 25
+    """steps between accuracy checks (the jump from ~0.1 to ~0.7 can take under 50 steps)"""
+    check_samples: int = 64
+    """problems sampled at each check"""
     batch_size: int = 32
     """sequences per step"""
     lr: float = 3e-3
     """AdamW learning rate (cosine-free, constant after a 20-step linear warm-up)"""
     seed: int = 0
     """seed of the model init, the data and the sampling"""
-    eval_samples: int = 64
+    eval_samples: int = 128
     """problems sampled (temperature 1) to report the accuracy"""
     threads: int = 1
     """torch intra-op threads (1 is fastest for a model this small, and on a shared 2-core host)"""
+
+    def __post_init__(self) -> None:
+        if self.steps < 1:
+            raise ValueError(f"WarmupArgs.steps must be >= 1, got {self.steps}")
+        if not 0.0 <= self.target_accuracy <= 1.0:
+            raise ValueError(f"WarmupArgs.target_accuracy must be in [0, 1], got {self.target_accuracy}")
+        if self.check_samples < 1:
+            raise ValueError(f"WarmupArgs.check_samples must be >= 1, got {self.check_samples}")
+        if self.check_every < 1:
+            raise ValueError(f"WarmupArgs.check_every must be >= 1, got {self.check_every}")
 
 
 def encode_example(tokenizer: Any, problem: task.Problem) -> tuple[list[int], int]:
@@ -64,7 +83,7 @@ def make_batch(tokenizer: Any, problems: list[task.Problem]) -> dict[str, Any]:
 
 
 def train(model: Any, tokenizer: Any, args: WarmupArgs) -> list[float]:
-    """Run the SFT loop in place; returns the loss curve."""
+    """Run the SFT loop in place until ``args.target_accuracy`` or ``args.steps``; returns the loss curve."""
     import random
 
     import torch
@@ -74,7 +93,7 @@ def train(model: Any, tokenizer: Any, args: WarmupArgs) -> list[float]:
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / 20))
     model.train()
     losses = []
-    for _ in range(args.steps):
+    for step in range(1, args.steps + 1):
         batch = make_batch(tokenizer, [task.sample_problem(rng) for _ in range(args.batch_size)])
         loss = model(**batch).loss
         optimizer.zero_grad(set_to_none=True)
@@ -83,6 +102,11 @@ def train(model: Any, tokenizer: Any, args: WarmupArgs) -> list[float]:
         optimizer.step()
         schedule.step()
         losses.append(loss.item())
+        if args.target_accuracy > 0 and step % args.check_every == 0 and step < args.steps:
+            model.eval()
+            if sampled_accuracy(model, tokenizer, args.check_samples, args.seed + step) >= args.target_accuracy:
+                break
+            model.train()
     model.eval()
     return losses
 
@@ -127,8 +151,10 @@ def build(out_dir: str | Path, args: WarmupArgs | None = None) -> dict[str, Any]
         "model_dir": str(model_dir),
         "train_file": str(train_path),
         "val_file": str(val_path),
+        "steps": len(losses),
         "final_loss": sum(losses[-10:]) / min(10, len(losses)),
         "sampled_accuracy": accuracy,
+        "target_accuracy": args.target_accuracy,
         "seconds": time.perf_counter() - start,
     }
 
@@ -138,8 +164,9 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--steps", type=int, default=WarmupArgs.steps)
     parser.add_argument("--seed", type=int, default=WarmupArgs.seed)
+    parser.add_argument("--target-accuracy", type=float, default=WarmupArgs.target_accuracy)
     cli = parser.parse_args()
-    print(build(cli.out, WarmupArgs(steps=cli.steps, seed=cli.seed)))
+    print(build(cli.out, WarmupArgs(steps=cli.steps, seed=cli.seed, target_accuracy=cli.target_accuracy)))
 
 
 if __name__ == "__main__":

@@ -1,0 +1,37 @@
+"""The default's SFT warm-up stops at its target sampled accuracy, and rejects bad settings."""
+
+from __future__ import annotations
+
+import pytest
+
+from verl_sat.default import model as tiny
+from verl_sat.default import warmup
+
+
+def tiny_model():
+    tokenizer = tiny.build_tokenizer()
+    return tiny.build_model(tiny.build_config(tokenizer), seed=0), tokenizer
+
+
+def test_warmup_stops_at_the_first_check_that_reaches_the_target(monkeypatch):
+    accuracies = iter([0.1, 0.2, 0.45, 0.9])
+    monkeypatch.setattr(warmup, "sampled_accuracy", lambda *a, **k: next(accuracies))
+    model, tokenizer = tiny_model()
+    args = warmup.WarmupArgs(steps=50, batch_size=2, check_every=3, target_accuracy=0.4)
+    losses = warmup.train(model, tokenizer, args)
+    assert len(losses) == 9  # checks after steps 3, 6, 9: the third reaches 0.4
+
+
+def test_warmup_without_target_runs_every_step(monkeypatch):
+    monkeypatch.setattr(warmup, "sampled_accuracy", lambda *a, **k: 1.0)
+    model, tokenizer = tiny_model()
+    losses = warmup.train(model, tokenizer, warmup.WarmupArgs(steps=4, batch_size=2, check_every=1, target_accuracy=0))
+    assert len(losses) == 4
+
+
+@pytest.mark.parametrize(
+    ("field", "value"), [("steps", 0), ("target_accuracy", 1.5), ("target_accuracy", -0.1), ("check_every", 0)]
+)
+def test_bad_warmup_settings_name_the_field(field, value):
+    with pytest.raises(ValueError, match=f"WarmupArgs.{field}"):
+        warmup.WarmupArgs(**{field: value})

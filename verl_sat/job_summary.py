@@ -1,0 +1,100 @@
+"""The main job's closing report: where a step's time went, the quarter rewards, and ``reward.png``.
+
+Everything is read from verl's own per-step metrics (``metrics.jsonl``):
+
+- ``timing_s/step``: one global step (``sat.lag`` optimizer steps) end to end;
+- ``timing_s/gen``: in ``separate_async`` the trainer's wait on the replay buffer for the
+  rollout's samples (generation runs beside training; this is the part it did not hide);
+- ``timing_s/old_log_prob``, ``timing_s/adv``, ``timing_s/update_actor`` (the SAT scoring pass,
+  forward, backward and optimizer step), ``timing_s/update_weights`` (the weight broadcast);
+- ``other``: the rest of the step (batch balancing, metrics, the data loader).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+REWARD_KEY = "critic/score/mean"
+DBAR_PI_KEY = "actor/mismatch_abs_mean"
+GATE_KEY = "actor/sat_gate_rate"
+STEP_KEY = "timing_s/step"
+
+TIMING_PARTS: tuple[tuple[str, str], ...] = (
+    ("wait_rollout", "timing_s/gen"),
+    ("old_log_prob", "timing_s/old_log_prob"),
+    ("adv", "timing_s/adv"),
+    ("update_actor", "timing_s/update_actor"),
+    ("weight_sync", "timing_s/update_weights"),
+)
+"""Summary label and verl timing key of each part of a global step."""
+
+
+def _values(rows: Sequence[dict[str, Any]], key: str) -> list[float]:
+    return [float(r[key]) for r in rows if isinstance(r.get(key), (int, float))]
+
+
+def quarter_means(rows: Sequence[dict[str, Any]], key: str = REWARD_KEY) -> tuple[float, float] | None:
+    """Mean of ``key`` over the first and the last quarter of the steps (at least one step each)."""
+    values = _values(rows, key)
+    if not values:
+        return None
+    k = max(1, len(values) // 4)
+    return sum(values[:k]) / k, sum(values[-k:]) / k
+
+
+def timing_split(rows: Sequence[dict[str, Any]]) -> dict[str, float]:
+    """Mean seconds per global step of each part in :data:`TIMING_PARTS`, plus ``step`` and ``other``.
+
+    The first step is left out when there are more (it pays one-off start-up costs); a part a
+    run never logged counts 0.
+    """
+    steady = list(rows[1:]) if len(rows) > 1 else list(rows)
+    steps = _values(steady, STEP_KEY)
+    if not steps:
+        return {}
+    split = {"step": sum(steps) / len(steps)}
+    for label, key in TIMING_PARTS:
+        values = _values(steady, key)
+        split[label] = sum(values) / len(values) if values else 0.0
+    split["other"] = max(0.0, split["step"] - sum(split[label] for label, _ in TIMING_PARTS))
+    return split
+
+
+def format_split(split: dict[str, float], lag: int) -> str:
+    """``step 4.2 s = 2.1 s/optimizer step: wait_rollout 2.0, ...`` (empty when nothing was timed)."""
+    if not split:
+        return ""
+    parts = ", ".join(f"{label} {split[label]:.2f}" for label in [p for p, _ in TIMING_PARTS] + ["other"])
+    return f"step {split['step']:.2f} s = {split['step'] / max(1, lag):.2f} s/optimizer step ({parts})"
+
+
+def plot_job(rows: Sequence[dict[str, Any]], path: Path) -> Path:
+    """``reward.png``: reward (with its first/last-quarter means), dbar_pi and SAT gate rate per step."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = ((REWARD_KEY, "reward (mean score)"), (DBAR_PI_KEY, "dbar_pi"), (GATE_KEY, "SAT gate rate"))
+    fig, axes = plt.subplots(1, len(panels), figsize=(13, 3.6))
+    for ax, (key, label) in zip(axes, panels, strict=True):
+        points = [(r["step"], float(r[key])) for r in rows if isinstance(r.get(key), (int, float))]
+        if points:
+            ax.plot([s for s, _ in points], [v for _, v in points], marker="o", ms=3, lw=1.4)
+        else:
+            ax.text(0.5, 0.5, "no data", ha="center", va="center", transform=ax.transAxes, color="gray")
+        ax.set_title(label)
+        ax.set_xlabel("global step")
+        ax.grid(alpha=0.3)
+    quarters = quarter_means(rows)
+    if quarters:
+        first, last = quarters
+        axes[0].axhline(first, color="gray", ls=":", lw=1, label=f"first quarter {first:.2f}")
+        axes[0].axhline(last, color="tab:green", ls="--", lw=1, label=f"last quarter {last:.2f}")
+        axes[0].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
