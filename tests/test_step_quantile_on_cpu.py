@@ -143,10 +143,14 @@ class FakeEngine:
     def get_data_parallel_group(self):
         return None
 
+    def get_data_parallel_size(self):
+        return 1
+
     def forward_backward_batch(self, data, loss_function, forward_only=False):
         from verl.utils import tensordict_utils as tu
 
-        seen = {k: tu.get_non_tensor_data(data, key=k, default=None) for k in ("sat_step_q", "calculate_entropy")}
+        keys = ("sat_step_q", "calculate_entropy", "sat_micro_batch_is_step")
+        seen = {k: tu.get_non_tensor_data(data, key=k, default=None) for k in keys}
         seen["has_scores"] = "sat_score_log_probs" in data.keys()
         self.calls.append((forward_only, loss_function is None, seen))
         return {"model_output": {"log_probs": data["full_log_probs"]}}
@@ -270,3 +274,33 @@ def test_forward_scoring_refuses_dynamic_context_parallel():
     enable_step_quantile(engine, actor_config("sat_gspo"))
     with pytest.raises(NotImplementedError, match="sat_step_score=old_log_prob"):
         engine.forward_backward_batch(data, loss_function=lambda **_: None)
+
+
+@pytest.mark.parametrize(
+    ("micro", "dynamic", "skipped"), [(3, False, True), (8, False, True), (2, False, False), (3, True, False)]
+)
+def test_no_scoring_pass_when_one_micro_batch_on_one_rank_is_the_step(micro, dynamic, skipped):
+    """The micro-batch's own q is then the step's, at the step's weights: the pass would be waste."""
+    from verl.utils import tensordict_utils as tu
+
+    data, _, _ = fake_mini_batch()  # 3 samples
+    tu.assign_non_tensor(data, micro_batch_size_per_gpu=micro, use_dynamic_bsz=dynamic)
+    engine = FakeEngine()
+    enable_step_quantile(engine, actor_config("sat_gspo"))
+    engine.forward_backward_batch(data, loss_function=lambda **_: None)
+    assert len(engine.calls) == (1 if skipped else 2)
+    training = engine.calls[-1][2]
+    assert training["sat_micro_batch_is_step"] is (True if skipped else None)
+    assert (training["sat_step_q"] is None) is skipped
+    assert tu.get_non_tensor_data(data, key="sat_micro_batch_is_step", default=None) is None  # cleaned up
+
+
+def test_whole_step_context_takes_the_micro_batchs_own_q_without_error():
+    """Through verl's ppo_loss (global_batch_info set) a whole-step micro-batch needs no step q."""
+    (m,) = paper_step(5, n_micro=1, max_len=300)
+    info = {"dp_size": 1, "batch_num_tokens": 10**6}  # whatever verl counted: the flag decides
+    config = actor_config("sat_gspo", global_batch_info=info)
+    with loss_context(whole_step=True):
+        a = compute_policy_loss_sat_gspo(m["old"], m["log_prob"], m["adv"], m["mask"], config=config)
+    b = compute_policy_loss_sat_gspo(m["old"], m["log_prob"], m["adv"], m["mask"], config=actor_config("sat_gspo"))
+    assert torch.equal(a[0], b[0])

@@ -210,11 +210,13 @@ def fill_eviction_counters(metrics: dict[str, Any]) -> None:
 
 def sat_ppo_loss(config: Any, model_output: Any, data: Any, dp_group: Any = None) -> tuple[torch.Tensor, dict]:
     """verl's ``ppo_loss``, with per-sample staleness in context and SAT diagnostics by staleness."""
+    from verl.utils import tensordict_utils as tu
     from verl.utils.metric import AggregationType, Metric
     from verl.workers.utils.losses import ppo_loss
     from verl.workers.utils.padding import no_padding_2_padding
 
     from verl_sat.losses import loss_context, mu_log_prob
+    from verl_sat.step_quantile import WHOLE_STEP_KEY
 
     staleness = data[STALENESS_FIELD] if STALENESS_FIELD in data.keys() else None
     if staleness is not None:
@@ -223,7 +225,8 @@ def sat_ppo_loss(config: Any, model_output: Any, data: Any, dp_group: Any = None
     old = _padded(data, "old_log_probs")
     mask = _padded(data, "response_mask").bool()
     step_q, scored, step_metrics = step_inputs(data, old)
-    with staleness_context(staleness), loss_context(rollout, step_q, scored) as ctx:
+    whole_step = bool(tu.get_non_tensor_data(data, key=WHOLE_STEP_KEY, default=False))
+    with staleness_context(staleness), loss_context(rollout, step_q, scored, whole_step) as ctx:
         loss, metrics = ppo_loss(config, model_output, data, dp_group)
         mu = mu_log_prob(old)  # the losses' own rule for log mu (the rollout's, when it fits)
     extra: dict[str, float] = {}

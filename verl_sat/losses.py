@@ -91,13 +91,15 @@ class LossContext:
 
     In: ``rollout_log_prob`` = log mu, padded like ``old_log_prob`` (None: not in the batch);
     ``step_q`` = the optimizer step's batch reference q and ``score_log_prob`` = log pi of the
-    score at the step's weights, both from ``verl_sat.step_quantile`` (None: not computed).
+    score at the step's weights, both from ``verl_sat.step_quantile`` (None: not computed);
+    ``whole_step``: this micro-batch is the whole optimizer step (its own q is the step's).
     Out: the ``gate`` the SAT loss applied (None for other losses and with SAT off).
     """
 
     rollout_log_prob: torch.Tensor | None = None
     step_q: float | None = None
     score_log_prob: torch.Tensor | None = None
+    whole_step: bool = False
     gate: torch.Tensor | None = None
 
 
@@ -109,9 +111,10 @@ def loss_context(
     rollout_log_prob: torch.Tensor | None = None,
     step_q: float | None = None,
     score_log_prob: torch.Tensor | None = None,
+    whole_step: bool = False,
 ) -> Iterator[LossContext]:
     """Make mu and the step's q visible to the SAT losses called inside; yields the context."""
-    ctx = LossContext(rollout_log_prob, step_q, score_log_prob)
+    ctx = LossContext(rollout_log_prob, step_q, score_log_prob, whole_step)
     token = _CONTEXT.set(ctx)
     try:
         yield ctx
@@ -173,6 +176,8 @@ def step_reference(sat: SATPolicyLossConfig, config: Any, response_mask: torch.T
     ctx = _CONTEXT.get()
     if ctx is not None and ctx.step_q is not None:
         return torch.tensor(ctx.step_q, dtype=torch.float64)
+    if ctx is not None and ctx.whole_step:
+        return None
     info = getattr(config, "global_batch_info", None) or {}
     step_tokens, dp_size = info.get("batch_num_tokens"), info.get("dp_size") or 1
     if step_tokens is None:

@@ -21,7 +21,8 @@ So, per optimizer step (one ``forward_backward_batch`` of the actor's engine, FS
    tokens are gated, exactly, even where kernels are not bit-deterministic.
 
 Cost: one forward over the step's tokens (about a third of a forward+backward) with the default
-``forward`` scoring; nothing with ``old_log_prob``. ``benchmarks/step_quantile_cost.py`` measures it.
+``forward`` scoring; nothing with ``old_log_prob``, and nothing when one micro-batch on one rank
+is the whole step (its own q is then the step's: the CPU default). ``benchmarks/step_quantile_cost.py`` measures it.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ SCORE_FIELD = "sat_score_log_probs"  # the scoring pass's log pi, laid out like 
 SCORE_FROM_OLD_KEY = "sat_score_from_old_log_probs"  # non-tensor: the score's log pi is old_log_probs
 SCORE_PASS_S_KEY = "sat_score_pass_s"  # non-tensor: seconds the scoring pass took
 STEP_TOKENS_KEY = "sat_step_tokens"  # non-tensor: active tokens of the step, all ranks
+WHOLE_STEP_KEY = "sat_micro_batch_is_step"  # non-tensor: one micro-batch on one rank is the step
 SAT_LOSS_MODES = ("sat", "sat_gspo")
 
 
@@ -112,11 +114,14 @@ class StepQuantileEngine:
             return super().forward_backward_batch(data, loss_function, forward_only)  # type: ignore[misc]
         from verl.utils import tensordict_utils as tu
 
-        self._sat_prepare_step(data, config, tu)
+        if self._sat_one_micro_batch(data, tu):  # the micro-batch is the step: its own q is the step's
+            tu.assign_non_tensor(data, **{WHOLE_STEP_KEY: True})
+        else:
+            self._sat_prepare_step(data, config, tu)
         try:
             return super().forward_backward_batch(data, loss_function, forward_only)  # type: ignore[misc]
         finally:
-            for key in (STEP_Q_KEY, SCORE_FROM_OLD_KEY, SCORE_PASS_S_KEY, STEP_TOKENS_KEY):
+            for key in (STEP_Q_KEY, SCORE_FROM_OLD_KEY, SCORE_PASS_S_KEY, STEP_TOKENS_KEY, WHOLE_STEP_KEY):
                 tu.pop(data, key=key, default=None)
             if SCORE_FIELD in data.keys():
                 del data[SCORE_FIELD]
@@ -145,6 +150,15 @@ class StepQuantileEngine:
         q, n_step = compute_step_q(config, data, score_log_prob, group)
         seconds = time.perf_counter() - start
         tu.assign_non_tensor(data, **{STEP_Q_KEY: float(q), STEP_TOKENS_KEY: n_step, SCORE_PASS_S_KEY: seconds})
+
+    def _sat_one_micro_batch(self, data: Any, tu: Any) -> bool:
+        """One rank and one micro-batch holding the whole step (fixed micro-batch size >= the
+        mini-batch): the loss's own q over that micro-batch is the step's, at the step's weights,
+        so the scoring pass is skipped (it cost ~0.2 s per optimizer step on the CPU default)."""
+        if self.get_data_parallel_size() != 1 or tu.get_non_tensor_data(data, key="use_dynamic_bsz", default=True):  # type: ignore[attr-defined]
+            return False
+        micro = tu.get_non_tensor_data(data, key="micro_batch_size_per_gpu", default=None)
+        return micro is not None and int(micro) >= len(data)
 
     def _sat_check_forward_scoring(self) -> None:
         """Refuse what the forward scoring pass does not handle (instead of a silent micro-batch q)."""
