@@ -66,9 +66,25 @@ def check_sat_run(rows: list[dict], lag: int) -> None:
         assert not any(k.endswith(("/tokens", "/gated", "/abs_d")) for k in row)  # sums turned into rates
 
 
+def step_gate_rate(row: dict) -> float:
+    """The step's token-weighted gate rate, from the exact per-staleness rates."""
+    prefix = "actor/sat_by_staleness/"
+    buckets = {k[len(prefix) :].split("/")[0] for k in row if k.startswith(prefix)}
+    return sum(row[f"{prefix}{s}/token_frac"] * row[f"{prefix}{s}/gate_rate"] for s in buckets)
+
+
 def test_default_job_separate_async_lag2(assets, tmp_path):
-    rows, stdout = run_main(assets, tmp_path / "run")
+    """The main job, with one response per micro-batch: SPEC §2 step 2 at the paper's shape in
+    miniature. A per-micro-batch q would be each response's own score and gate nothing; the
+    step's q gates about 1 - alpha of the step's tokens, at the step's weights (score drift 0).
+    (The default's own shape, one micro-batch per step, runs in the sentinel and R3 e2e tests.)"""
+    rows, stdout = run_main(assets, tmp_path / "run", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=1")
     check_sat_run(rows, lag=2)
+    for row in rows:
+        assert row["actor/sat_seqs_per_micro_batch"] == 1.0
+        assert 0.04 <= step_gate_rate(row) <= 0.1 + 1e-9, row
+        assert row["actor/sat_score_drift"] == 0.0  # the scoring pass ran at the step's weights
+        assert row["actor/sat_score_pass_seconds"] > 0
     assert max(r["training/sat/staleness_steps/max"] for r in rows) == 2  # the lag is realised, not just bounded
     run = json.loads((tmp_path / "run" / "run.json").read_text())
     assert run["lag"] == 2 and run["method"] == "sat_gspo"
@@ -80,26 +96,6 @@ def test_default_job_separate_async_lag2(assets, tmp_path):
     # a readable console: Ray's and the workers' output (TaskRunner's config dump) is in console.log
     assert len(stdout.splitlines()) <= 30, stdout
     assert "FSDPActorConfig" in (tmp_path / "run" / "console.log").read_text() and "FSDPActorConfig" not in stdout
-
-
-def step_gate_rate(row: dict) -> float:
-    """The step's token-weighted gate rate, from the exact per-staleness rates."""
-    prefix = "actor/sat_by_staleness/"
-    buckets = {k[len(prefix) :].split("/")[0] for k in row if k.startswith(prefix)}
-    return sum(row[f"{prefix}{s}/token_frac"] * row[f"{prefix}{s}/gate_rate"] for s in buckets)
-
-
-def test_one_sequence_per_micro_batch_still_gates_one_minus_alpha_of_the_step(assets, tmp_path):
-    """SPEC §2 step 2 at the paper's shape in miniature: SAT-GSPO with one response per micro-batch.
-    A per-micro-batch q would be each response's own score and gate nothing; the step's q gates
-    about 1 - alpha of the step's tokens, at the step's weights (score drift 0)."""
-    rows, stdout = run_main(assets, tmp_path / "run", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=1")
-    check_sat_run(rows, lag=2)
-    for row in rows:
-        assert row["actor/sat_seqs_per_micro_batch"] == 1.0
-        assert 0.04 <= step_gate_rate(row) <= 0.1 + 1e-9, row
-        assert row["actor/sat_score_drift"] == 0.0  # the scoring pass ran at the step's weights
-        assert row["actor/sat_score_pass_seconds"] > 0
 
 
 @pytest.mark.parametrize("mode", ["sync", "colocate_async"])
