@@ -304,3 +304,14 @@ def test_whole_step_context_takes_the_micro_batchs_own_q_without_error():
         a = compute_policy_loss_sat_gspo(m["old"], m["log_prob"], m["adv"], m["mask"], config=config)
     b = compute_policy_loss_sat_gspo(m["old"], m["log_prob"], m["adv"], m["mask"], config=actor_config("sat_gspo"))
     assert torch.equal(a[0], b[0])
+
+
+@pytest.mark.parametrize("loss_mode", ["sat", "sat_gspo"])
+@pytest.mark.parametrize("pad", [float("-inf"), float("nan")])
+def test_step_scores_ignore_what_padding_holds(loss_mode, pad):
+    """An engine's padding may hold -inf or NaN log-probs: the step's scores (and so q) are those
+    of clean padding, as the fused loss's own scores are."""
+    (m,) = paper_step(6, n_micro=1, max_len=300)
+    clean = step_scores(loss_mode, m["log_prob"], m["old"], m["mask"])
+    dirty = step_scores(loss_mode, m["log_prob"].masked_fill(~m["mask"], pad), m["old"], m["mask"])
+    assert torch.equal(clean[0], dirty[0]) and torch.isfinite(dirty[0]).all()

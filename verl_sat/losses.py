@@ -27,9 +27,6 @@ from verl_sat.config import POLICY_LOSS_KEY, SATPolicyLossConfig, sat_settings
 from verl_sat.fused import StepScore, Surrogate, sequence_surrogate, token_surrogate
 from verl_sat.sat_rule import SATFactors
 
-LOG_RATIO_CLAMP = 20.0  # verl's vanilla clamps log r to [-20, 20] before exp
-GSPO_LOG_RATIO_MAX = 10.0  # verl's gspo clamps log s_{b,t} at 10 before exp
-
 
 # ---------------------------------------------------------------------------------------------
 # shared pieces
@@ -39,12 +36,6 @@ def clip_radii(config: Any) -> tuple[float, float]:
     eps_low = config.clip_ratio_low if config.clip_ratio_low is not None else config.clip_ratio
     eps_high = config.clip_ratio_high if config.clip_ratio_high is not None else config.clip_ratio
     return float(eps_low), float(eps_high)
-
-
-def sequence_score(log_prob: torch.Tensor, ref: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
-    """SAT-GSPO's score per response, detached: log rho_b = (1/|y_b|) sum_t (log pi - log ref) (SPEC §3)."""
-    seq_lengths = torch.sum(response_mask, dim=-1).clamp(min=1)
-    return (torch.sum((log_prob.detach() - ref) * response_mask, dim=-1) / seq_lengths).detach()
 
 
 def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
