@@ -91,6 +91,42 @@ def test_replay_overrides_the_router_and_keeps_router_gradients(model):
         assert router.weight.grad is not None and router.weight.grad.abs().sum() > 0
 
 
+def test_routing_metrics_count_agreement_and_replayed_tokens(model):
+    """actor/routing_replay/*: own routes agree everywhere; a changed router agrees exactly where
+    its own top-k set equals the replayed one; padding and zero (unrecorded) rows are not replayed."""
+    import copy
+
+    ids = _ids(2, 8, seed=3)
+    mask = torch.ones_like(ids)
+    mask[1, 6:] = 0  # two padding tokens
+    with record_routes(model) as rec:
+        model(input_ids=ids, attention_mask=mask)
+    routes = rec.recorded(2).clone()
+    routes[0, 0] = 0  # an unrecorded row (verl's zero padding): keeps its own routing
+    with replay_routes(model, routes, mask) as hooks:
+        model(input_ids=ids, attention_mask=mask)
+    real, unrecorded = 14 * 4, 4
+    assert hooks.counts.metrics() == {
+        "actor/routing_replay/replayed_frac": (real - unrecorded) / real,
+        "actor/routing_replay/topk_agreement": 1.0,
+    }
+    changed = copy.deepcopy(model)
+    with torch.no_grad():
+        for router in find_routers(changed):
+            router.weight.add_(0.5 * torch.randn_like(router.weight))
+    with record_routes(changed) as own:
+        changed(input_ids=ids, attention_mask=mask)
+    mine = own.recorded(2)
+    replayed = mask.bool()[..., None].expand(2, 8, 4).clone()
+    replayed[0, 0] = False
+    same = (mine.sort(-1).values == routes.sort(-1).values).all(-1)
+    with replay_routes(changed, routes, mask) as hooks:
+        changed(input_ids=ids, attention_mask=mask)
+    agreement = hooks.counts.metrics()["actor/routing_replay/topk_agreement"]
+    assert agreement == pytest.approx((same & replayed).sum().item() / replayed.sum().item())
+    assert 0.0 < agreement < 1.0
+
+
 @pytest.mark.parametrize("side", ["left", "right"])
 def test_padding(model, side):
     lengths = [5, 9, 7]

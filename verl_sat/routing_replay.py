@@ -171,6 +171,35 @@ def routes_per_sample(indices: torch.Tensor, attention_mask: torch.Tensor) -> li
 # ---------------------------------------------------------------------------------------------
 # the hooks
 # ---------------------------------------------------------------------------------------------
+class RouteCounts:
+    """Token-layer counts behind the routing metrics of a replayed forward (R3 paper's agreement).
+
+    ``real``: real tokens x MoE layers; ``replayed``: of those, the ones given a recorded route;
+    ``agreed``: of the replayed, the ones whose own top-k (the trainer's routing, before
+    replay) is the same set of experts as the replayed one.
+    """
+
+    def __init__(self) -> None:
+        self.real = self.replayed = self.agreed = 0
+
+    def add(self, own: torch.Tensor, target: torch.Tensor, replay: torch.Tensor, real: torch.Tensor) -> None:
+        """One MoE layer's call: ``own``/``target`` ``[N, k]`` experts, ``replay``/``real`` ``[N]`` bool."""
+        replay = replay.to(own.device)
+        same = (own.sort(-1).values == target.to(own).sort(-1).values).all(-1)
+        self.real += int(real.sum())
+        self.replayed += int(replay.sum())
+        self.agreed += int((same & replay).sum())
+
+    def metrics(self, prefix: str = "actor/routing_replay") -> dict[str, float]:
+        """``{prefix}/replayed_frac`` (replayed / real) and ``{prefix}/topk_agreement`` (agreed / replayed)."""
+        if self.real == 0:
+            return {}
+        out = {f"{prefix}/replayed_frac": self.replayed / self.real}
+        if self.replayed:
+            out[f"{prefix}/topk_agreement"] = self.agreed / self.replayed
+        return out
+
+
 class RouterHooks:
     """Forward hooks on every router of ``model``, in one of three modes: off, record, replay.
 
@@ -187,7 +216,9 @@ class RouterHooks:
         self._recorded: list[list[torch.Tensor]] = [[] for _ in self.routers]
         self._targets: torch.Tensor | None = None  # [N, L, k], N = flat tokens of the forward
         self._replay: torch.Tensor | None = None  # [N, L] bool
+        self._real: torch.Tensor | None = None  # [N] bool, the real (non-padding) tokens
         self.replayed_layers = 0
+        self.counts = RouteCounts()
 
     def install(self) -> RouterHooks:
         if not self._handles:
@@ -217,6 +248,7 @@ class RouterHooks:
         self.mode = "replay"
         self._targets = indices.flatten(0, 1)
         self._replay = replay.flatten(0, 1)
+        self._real = attention_mask.bool().flatten()
         self.replayed_layers = 0
 
     def recorded(self, batch_size: int) -> torch.Tensor:
@@ -256,6 +288,7 @@ class RouterHooks:
                 )
             chosen = torch.where(replay[:, layer, None].to(own.device), targets[:, layer].to(own.device), own)
             self.replayed_layers += 1
+            self.counts.add(own, targets[:, layer], replay[:, layer], self._real)
             return logits, replay_weights(logits, chosen, normalize).to(scores.dtype), chosen.to(own.dtype)
 
         return hook
@@ -370,8 +403,14 @@ def routing_replay_engine() -> type:
                 self._rr_announced = self._rr_announced | {self._rr_action}
                 what = "recording routes (forward only)" if self._rr_action == "record" else "replaying recorded routes"
                 print(f"[verl-sat] routing replay {mode}: {what}", flush=True)
+            if self._rr_hooks is not None:
+                self._rr_hooks.counts = RouteCounts()
             try:
-                return super().forward_backward_batch(data, loss_function, forward_only)
+                output = super().forward_backward_batch(data, loss_function, forward_only)
+                if self._rr_action == "replay" and self._rr_hooks is not None and isinstance(output, dict):
+                    metrics = output.setdefault("metrics", {})
+                    metrics.update({k: [v] for k, v in self._rr_hooks.counts.metrics().items()})
+                return output
             finally:
                 self._rr_action = "off"
                 if self._rr_hooks is not None:
