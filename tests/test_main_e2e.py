@@ -114,26 +114,8 @@ def test_colocated_modes(assets, tmp_path, mode):
             assert row["actor/sat_seqs_per_micro_batch"] == 1.0 and row["actor/sat_score_drift"] == 0.0
 
 
-def test_decoupled_score_against_rollout_log_probs(assets, tmp_path):
-    """SPEC §4's decoupled option: ratio against recomputed old log-probs, SAT score against mu."""
-    rows, _ = run_main(
-        assets,
-        tmp_path / "run",
-        "trainer.v1.trainer_mode=sync",
-        "sat.lag=1",
-        "algorithm.rollout_correction.bypass_mode=false",
-        "actor_rollout_ref.actor.policy_loss.sat_score_against=rollout_log_probs",
-        "actor_rollout_ref.rollout.engine_kwargs.hf.logit_noise_std=0.5",  # mu far from the trainer's pi
-    )
-    for row in rows:
-        # the ratio's denominator is the trainer's recomputation, not mu
-        assert row["actor/sat_old_vs_rollout_logprob_gap"] > 0.1
-        # the score and dbar_pi are against mu: the noise shows there, not in the ratio's KL
-        assert row["actor/mismatch_abs_mean"] > 0.02 > abs(row["actor/ppo_kl"])
-        assert row["actor/sat_q"] > 0.02 and 0.0 < row["actor/sat_gate_rate"] <= 0.1 + 1e-6
-        # sync: every sample has staleness 0; its gate rate is the loss's own gate, token-weighted
-        assert row["actor/sat_by_staleness/0/token_frac"] == 1.0
-        assert 0.0 < row["actor/sat_by_staleness/0/gate_rate"] <= 0.1 + 1e-6
+# SPEC §4's decoupled option (ratio against recomputed old log-probs, SAT score against mu) runs
+# end to end on verl's vLLM rollout with a bf16 rollout: tests/test_vllm_e2e.py.
 
 
 @pytest.fixture(scope="session")
