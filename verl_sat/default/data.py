@@ -44,8 +44,9 @@ class Problem:
 
     @property
     def solution(self) -> str:
-        """The supervised response: one working line, then the ``Answer:`` line."""
-        return f"{self.a} {self.op} {self.b} = {self.answer}\nAnswer: {self.answer}"
+        """The supervised response: the ``Answer:`` line alone (a working line would only add
+        tokens to sample, and every sampled token is a chance to go wrong at temperature 1)."""
+        return f"Answer: {self.answer}"
 
 
 def sample_problem(rng: random.Random) -> Problem:
