@@ -5,7 +5,10 @@ answers ``target_accuracy`` of fresh problems right (checked every ``check_every
 ``steps``). Two-digit addition is learnt in jumps (the carry), at a step count that varies with
 the seed, so a fixed step count would leave RL starting anywhere from 5% to 50%; stopping at the
 target leaves it right often enough for GRPO groups to have reward variance and wrong often
-enough to have room to climb.
+enough to have room to climb. The cross-entropy is label-smoothed (``label_smoothing``): at the
+stop the model's most likely answer is right about twice as often as its sampled one, so much of
+what RL has to learn is to sample what the model already knows (measured: greedy 0.68, sampled
+0.21 on 128 problems after 850 steps, 143 s).
 
 ``python -m verl_sat.default.warmup --out DIR`` writes the model + tokenizer to ``DIR/model`` and
 the parquet files to ``DIR/data``, and prints the sampled accuracy.
