@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from verl_sat.default import data as task
 from verl_sat.default import model as tiny
 from verl_sat.default import warmup
 
@@ -30,8 +31,34 @@ def test_warmup_without_target_runs_every_step(monkeypatch):
 
 
 @pytest.mark.parametrize(
-    ("field", "value"), [("steps", 0), ("target_accuracy", 1.5), ("target_accuracy", -0.1), ("check_every", 0)]
+    ("field", "value"),
+    [
+        ("steps", 0),
+        ("target_accuracy", 1.5),
+        ("target_accuracy", -0.1),
+        ("check_every", 0),
+        ("label_smoothing", 1.0),
+        ("label_smoothing", -0.1),
+    ],
 )
 def test_bad_warmup_settings_name_the_field(field, value):
     with pytest.raises(ValueError, match=f"WarmupArgs.{field}"):
         warmup.WarmupArgs(**{field: value})
+
+
+def test_response_loss_is_the_models_own_loss_without_smoothing_and_changes_with_it():
+    import torch
+
+    model, tokenizer = tiny_model()
+    batch = warmup.make_batch(tokenizer, task.sample_problems(4, seed=3))
+    with torch.no_grad():
+        plain = warmup.response_loss(model, batch, 0.0)
+        smoothed = warmup.response_loss(model, batch, 0.1)
+        model_loss = model(**batch).loss
+    torch.testing.assert_close(plain, model_loss)
+    assert not torch.isclose(smoothed, plain)
+
+
+def test_the_default_warmup_smooths_its_labels():
+    # the default run's learning rests on a warm-up that keeps probability on every token
+    assert warmup.WarmupArgs().label_smoothing > 0

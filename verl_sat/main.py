@@ -63,7 +63,7 @@ PROGRESS_KEYS = {
 # ---------------------------------------------------------------------------------------------
 def default_assets_dir() -> Path:
     root = os.environ.get("XDG_CACHE_HOME", str(Path.home() / ".cache"))
-    return Path(root) / "verl-sat" / "tiny_moe_v2"
+    return Path(root) / "verl-sat" / "tiny_moe_v3"
 
 
 def assets_complete(assets: Path) -> bool:
@@ -94,7 +94,8 @@ def build_assets_once(assets: Path) -> None:
         if target != assets:
             os.replace(target, assets)
         accuracy, steps = info["sampled_accuracy"], info.get("steps", "?")
-        print(f"[verl-sat] warm-up done: sampled accuracy {accuracy:.2f} after {steps} steps", flush=True)
+        greedy = f" (greedy {info['greedy_accuracy']:.2f})" if "greedy_accuracy" in info else ""
+        print(f"[verl-sat] warm-up done: sampled accuracy {accuracy:.2f}{greedy} after {steps} steps", flush=True)
 
 
 def make_run_dir(cfg: DictConfig, sat: SATRecipeConfig) -> Path:

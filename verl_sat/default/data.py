@@ -44,15 +44,16 @@ class Problem:
 
     @property
     def solution(self) -> str:
-        """The supervised response: one working line, then the ``Answer:`` line."""
-        return f"{self.a} {self.op} {self.b} = {self.answer}\nAnswer: {self.answer}"
+        """The supervised response: the ``Answer:`` line alone (a working line would only add
+        tokens to sample, and every sampled token is a chance to go wrong at temperature 1)."""
+        return f"Answer: {self.answer}"
 
 
 def sample_problem(rng: random.Random) -> Problem:
     """Addition of two numbers in [0, MAX_OPERAND].
 
-    A ~1M-parameter model learns the digits' pattern in a minute of SFT but still samples wrong
-    carries at temperature 1, so RL starts near 0.3-0.5 and has room to climb.
+    A ~1M-parameter model learns the digits' pattern in a few minutes of SFT but still samples
+    wrong digits at temperature 1, so RL starts near 0.2-0.4 and has room to climb.
     """
     return Problem(rng.randint(0, MAX_OPERAND), rng.randint(0, MAX_OPERAND), "+")
 

@@ -5,7 +5,10 @@ answers ``target_accuracy`` of fresh problems right (checked every ``check_every
 ``steps``). Two-digit addition is learnt in jumps (the carry), at a step count that varies with
 the seed, so a fixed step count would leave RL starting anywhere from 5% to 50%; stopping at the
 target leaves it right often enough for GRPO groups to have reward variance and wrong often
-enough to have room to climb.
+enough to have room to climb. The cross-entropy is label-smoothed (``label_smoothing``): at the
+stop the model's most likely answer is right about twice as often as its sampled one, so much of
+what RL has to learn is to sample what the model already knows (measured: greedy 0.68, sampled
+0.21 on 128 problems after 850 steps, 143 s).
 
 ``python -m verl_sat.default.warmup --out DIR`` writes the model + tokenizer to ``DIR/model`` and
 the parquet files to ``DIR/data``, and prints the sampled accuracy.
@@ -38,6 +41,10 @@ class WarmupArgs:
     """problems sampled at each check"""
     batch_size: int = 32
     """sequences per step"""
+    label_smoothing: float = 0.1
+    """label smoothing of the cross-entropy: the model learns the sums (greedy accuracy ~0.7 at
+    the stop) but keeps probability on every token, so at temperature 1 it often samples a wrong
+    one; RL has both the sums and the sampling to sharpen"""
     lr: float = 3e-3
     """AdamW learning rate (cosine-free, constant after a 20-step linear warm-up)"""
     seed: int = 0
@@ -54,6 +61,8 @@ class WarmupArgs:
             raise ValueError(f"WarmupArgs.target_accuracy must be in [0, 1], got {self.target_accuracy}")
         if self.check_samples < 1:
             raise ValueError(f"WarmupArgs.check_samples must be >= 1, got {self.check_samples}")
+        if not 0.0 <= self.label_smoothing < 1.0:
+            raise ValueError(f"WarmupArgs.label_smoothing must be in [0, 1), got {self.label_smoothing}")
         if self.check_every < 1:
             raise ValueError(f"WarmupArgs.check_every must be >= 1, got {self.check_every}")
 
@@ -82,6 +91,20 @@ def make_batch(tokenizer: Any, problems: list[task.Problem]) -> dict[str, Any]:
     return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
 
 
+def response_loss(model: Any, batch: dict[str, Any], label_smoothing: float = 0.0) -> Any:
+    """Mean next-token cross-entropy over the response tokens, with ``label_smoothing``."""
+    import torch
+
+    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, :-1]
+    labels = batch["labels"][:, 1:]
+    return torch.nn.functional.cross_entropy(
+        logits.reshape(-1, logits.shape[-1]).float(),
+        labels.reshape(-1),
+        ignore_index=-100,
+        label_smoothing=label_smoothing,
+    )
+
+
 def train(model: Any, tokenizer: Any, args: WarmupArgs) -> list[float]:
     """Run the SFT loop in place until ``args.target_accuracy`` or ``args.steps``; returns the loss curve."""
     import random
@@ -95,7 +118,7 @@ def train(model: Any, tokenizer: Any, args: WarmupArgs) -> list[float]:
     losses = []
     for step in range(1, args.steps + 1):
         batch = make_batch(tokenizer, [task.sample_problem(rng) for _ in range(args.batch_size)])
-        loss = model(**batch).loss
+        loss = response_loss(model, batch, args.label_smoothing)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -111,8 +134,11 @@ def train(model: Any, tokenizer: Any, args: WarmupArgs) -> list[float]:
     return losses
 
 
-def sampled_accuracy(model: Any, tokenizer: Any, n: int, seed: int, max_new_tokens: int = 32) -> float:
-    """Fraction of ``n`` fresh problems answered right with temperature-1, full-support sampling."""
+def sampled_accuracy(
+    model: Any, tokenizer: Any, n: int, seed: int, max_new_tokens: int = 32, greedy: bool = False
+) -> float:
+    """Fraction of ``n`` fresh problems answered right with temperature-1, full-support sampling
+    (``greedy``: the most likely token at each position instead)."""
     import torch
 
     problems = task.sample_problems(n, seed + 99)
@@ -125,9 +151,8 @@ def sampled_accuracy(model: Any, tokenizer: Any, n: int, seed: int, max_new_toke
     batch = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
     torch.manual_seed(seed)
     with torch.no_grad():
-        out = model.generate(
-            **batch, do_sample=True, temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=max_new_tokens
-        )
+        sampling = {"do_sample": False} if greedy else {"do_sample": True, "temperature": 1.0, "top_k": 0, "top_p": 1.0}
+        out = model.generate(**batch, max_new_tokens=max_new_tokens, **sampling)
     texts = tokenizer.batch_decode(out[:, batch["input_ids"].shape[1] :], skip_special_tokens=True)
     return sum(compute_score(None, t, p.answer) for t, p in zip(texts, problems, strict=True)) / n
 
@@ -145,6 +170,7 @@ def build(out_dir: str | Path, args: WarmupArgs | None = None) -> dict[str, Any]
     model = tiny.build_model(tiny.build_config(tokenizer), seed=args.seed)
     losses = train(model, tokenizer, args)
     accuracy = sampled_accuracy(model, tokenizer, args.eval_samples, args.seed)
+    greedy_accuracy = sampled_accuracy(model, tokenizer, args.eval_samples, args.seed, greedy=True)
     model_dir = tiny.save(model, tokenizer, out / "model")
     train_path, val_path = task.write_parquet(out / "data", seed=args.seed)
     return {
@@ -154,6 +180,7 @@ def build(out_dir: str | Path, args: WarmupArgs | None = None) -> dict[str, Any]
         "steps": len(losses),
         "final_loss": sum(losses[-10:]) / min(10, len(losses)),
         "sampled_accuracy": accuracy,
+        "greedy_accuracy": greedy_accuracy,
         "target_accuracy": args.target_accuracy,
         "seconds": time.perf_counter() - start,
     }
@@ -165,8 +192,12 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=WarmupArgs.steps)
     parser.add_argument("--seed", type=int, default=WarmupArgs.seed)
     parser.add_argument("--target-accuracy", type=float, default=WarmupArgs.target_accuracy)
+    parser.add_argument("--label-smoothing", type=float, default=WarmupArgs.label_smoothing)
     cli = parser.parse_args()
-    print(build(cli.out, WarmupArgs(steps=cli.steps, seed=cli.seed, target_accuracy=cli.target_accuracy)))
+    args = WarmupArgs(
+        steps=cli.steps, seed=cli.seed, target_accuracy=cli.target_accuracy, label_smoothing=cli.label_smoothing
+    )
+    print(build(cli.out, args))
 
 
 if __name__ == "__main__":
