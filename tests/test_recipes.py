@@ -46,11 +46,14 @@ MAIN_CONFIGS = {
     "sat_gspo_cpu.yaml": "_generated_ppo_trainer.yaml",
 }
 # Keys verl reads but does not declare (a `+` on verl's command line): the FSDP mixed-precision
-# dtypes, extra ray.init kwargs, and per-backend engine kwargs of our "hf" rollout.
+# dtypes, extra ray.init kwargs, per-backend engine kwargs (our "hf" rollout's; vLLM's engine
+# arguments), and RolloutConfig.enable_sleep_mode (a dataclass field verl's YAML leaves out).
 UNDECLARED = (
     "actor_rollout_ref.actor.fsdp_config.mixed_precision.",
     "ray_kwargs.ray_init.",
     "actor_rollout_ref.rollout.engine_kwargs.hf.",
+    "actor_rollout_ref.rollout.engine_kwargs.vllm.",
+    "actor_rollout_ref.rollout.enable_sleep_mode",
 )
 
 PAPER_PROMPTS_PER_STEP = 256
