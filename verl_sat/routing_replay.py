@@ -180,23 +180,28 @@ class RouteCounts:
     """
 
     def __init__(self) -> None:
-        self.real = self.replayed = self.agreed = 0
+        self._sums: torch.Tensor | None = None  # [real, replayed, agreed], on the router's device
 
     def add(self, own: torch.Tensor, target: torch.Tensor, replay: torch.Tensor, real: torch.Tensor) -> None:
-        """One MoE layer's call: ``own``/``target`` ``[N, k]`` experts, ``replay``/``real`` ``[N]`` bool."""
+        """One MoE layer's call: ``own``/``target`` ``[N, k]`` experts, ``replay``/``real`` ``[N]`` bool.
+
+        Summed on the device, without a host sync per layer; :meth:`metrics` reads them once.
+        """
         replay = replay.to(own.device)
         same = (own.sort(-1).values == target.to(own).sort(-1).values).all(-1)
-        self.real += int(real.sum())
-        self.replayed += int(replay.sum())
-        self.agreed += int((same & replay).sum())
+        sums = torch.stack([real.to(own.device).sum(), replay.sum(), (same & replay).sum()])
+        self._sums = sums if self._sums is None else self._sums + sums
 
     def metrics(self, prefix: str = "actor/routing_replay") -> dict[str, float]:
         """``{prefix}/replayed_frac`` (replayed / real) and ``{prefix}/topk_agreement`` (agreed / replayed)."""
-        if self.real == 0:
+        if self._sums is None:
             return {}
-        out = {f"{prefix}/replayed_frac": self.replayed / self.real}
-        if self.replayed:
-            out[f"{prefix}/topk_agreement"] = self.agreed / self.replayed
+        real, replayed, agreed = self._sums.tolist()
+        if real == 0:
+            return {}
+        out = {f"{prefix}/replayed_frac": replayed / real}
+        if replayed:
+            out[f"{prefix}/topk_agreement"] = agreed / replayed
         return out
 
 
