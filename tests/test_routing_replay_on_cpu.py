@@ -205,9 +205,10 @@ def _full_forward_log_probs(engine: HFEngine, prompt: list[int], tokens: list[in
     return logp.gather(-1, torch.tensor(tokens)[:, None])[:, 0]
 
 
-@pytest.mark.parametrize("router_noise_std", [0.0, 2.0])
-def test_rollout_returns_routes_that_reproduce_its_log_probs(model_dir, router_noise_std):
-    engine = HFEngine.from_pretrained(str(model_dir), EngineOptions(seed=0, router_noise_std=router_noise_std))
+@pytest.mark.parametrize(("router_noise_std", "router_bias_std"), [(0.0, 0.0), (2.0, 0.0), (0.0, 2.0)])
+def test_rollout_returns_routes_that_reproduce_its_log_probs(model_dir, router_noise_std, router_bias_std):
+    options = EngineOptions(seed=0, router_noise_std=router_noise_std, router_bias_std=router_bias_std)
+    engine = HFEngine.from_pretrained(str(model_dir), options)
     engine.record_routes = True
     requests = _requests(3)
     results = engine.generate_batch(requests)
@@ -222,7 +223,7 @@ def test_rollout_returns_routes_that_reproduce_its_log_probs(model_dir, router_n
         gaps_replay.append(float((replayed - rollout).abs().max()))
         gaps_plain.append(float((plain - rollout).abs().max()))
     assert max(gaps_replay) < 1e-4  # R3: the trainer reproduces the rollout's log-probs
-    if router_noise_std > 0:
+    if router_noise_std > 0 or router_bias_std > 0:
         assert max(gaps_plain) > 1e-2  # without replay the perturbed routing is a real mismatch
 
 

@@ -326,23 +326,30 @@ def record_routes(model: nn.Module) -> Iterator[RouterHooks]:
 # ---------------------------------------------------------------------------------------------
 # a routing-only perturbation (to induce a rollout/trainer routing mismatch on purpose)
 # ---------------------------------------------------------------------------------------------
-def perturb_routing(model: nn.Module, std: float, generator: torch.Generator) -> list[Any]:
-    """Hooks choosing each router's top-k from ``z + std * N(0, 1)``; weights from the clean z.
+def perturb_routing(model: nn.Module, std: float, generator: torch.Generator, bias_std: float = 0.0) -> list[Any]:
+    """Hooks choosing each router's top-k from ``z + b_l + std * N(0, 1)``; weights from the clean z.
 
-    Emulates numerics flipping near-tied experts: only *which* experts are chosen changes, and
-    their weights are :func:`replay_weights` of the clean logits, so replaying these routes in
-    a clean forward reproduces the perturbed forward. Returns the hook handles.
+    ``b_l ~ bias_std * N(0, 1)`` is one fixed offset per layer and expert (drawn once from
+    ``generator``): a systematic routing mismatch, the same experts favoured at every step; the
+    ``std`` term is i.i.d. per call. Emulates numerics flipping near-tied experts: only *which*
+    experts are chosen changes, and their weights are :func:`replay_weights` of the clean logits,
+    so replaying these routes in a clean forward reproduces the perturbed forward. Returns the
+    hook handles.
     """
     handles = []
     for router in find_routers(model):
         if router is None:
             continue
         normalize = _normalizes(router)
+        experts = int(router.weight.shape[0])
+        bias = bias_std * torch.randn(experts, generator=generator) if bias_std > 0 else torch.zeros(experts)
 
-        def hook(module: nn.Module, args: Any, output: Any, normalize: bool = normalize) -> Any:
+        def hook(module: nn.Module, args: Any, output: Any, normalize: bool = normalize, bias: Any = bias) -> Any:
             logits, scores, own = output
-            noise = torch.randn(logits.shape, generator=generator, dtype=torch.float32).to(logits)
-            chosen = torch.topk(torch.softmax(logits + std * noise, dim=-1, dtype=torch.float), own.shape[-1]).indices
+            shifted = logits.float() + bias.to(logits.device)
+            if std > 0:
+                shifted = shifted + std * torch.randn(logits.shape, generator=generator, dtype=torch.float32).to(logits)
+            chosen = torch.topk(torch.softmax(shifted, dim=-1), own.shape[-1]).indices
             return logits, replay_weights(logits, chosen, normalize).to(scores.dtype), chosen.to(own.dtype)
 
         handles.append(router.register_forward_hook(hook))

@@ -66,12 +66,27 @@ class EngineOptions:
     signature on demand, for the sentinel's end-to-end test (docs/sentinel.md)"""
     fault_logit_noise_std: float = 3.0
     """the logit noise std from ``fault_step`` on"""
+    logit_bias_std: float = 0.0
+    """std of a fixed per-token offset b ~ N(0, std^2) added to every rollout logit (drawn once from
+    ``seed``): a systematic rollout/trainer mismatch, unlike the i.i.d. ``logit_noise_std``"""
+    router_bias_std: float = 0.0
+    """std of a fixed per-layer, per-expert offset on the router logits when choosing experts (drawn
+    once from ``seed``): a systematic routing mismatch, which routing replay R3 removes"""
 
 
 def logit_noise_for(options: EngineOptions, version: int | None) -> float:
     """The rollout's logit noise std for weights of ``version``: the fault's from ``fault_step`` on."""
     faulty = options.fault_step >= 0 and version is not None and version >= options.fault_step
     return options.fault_logit_noise_std if faulty else options.logit_noise_std
+
+
+def fixed_logit_bias(model: Any, options: EngineOptions) -> torch.Tensor | None:
+    """b ~ logit_bias_std * N(0, 1) over the vocabulary, from its own generator (``seed + 2``), or None."""
+    if options.logit_bias_std <= 0:
+        return None
+    vocab = int(model.get_output_embeddings().weight.shape[0])
+    generator = torch.Generator().manual_seed(options.seed + 2)
+    return options.logit_bias_std * torch.randn(vocab, generator=generator)
 
 
 def load_model(path: str, experts_implementation: str = "eager") -> Any:
@@ -97,9 +112,10 @@ class HFEngine:
         self.generator = torch.Generator().manual_seed(options.seed)
         self.logit_noise_std = options.logit_noise_std  # the server sets it per weight version (logit_noise_for)
         self.record_routes = False  # return routed_experts (routing replay R3)
-        if options.router_noise_std > 0:
+        self.logit_bias = fixed_logit_bias(model, options)
+        if options.router_noise_std > 0 or options.router_bias_std > 0:
             self._router_noise = torch.Generator().manual_seed(options.seed + 1)
-            perturb_routing(model, options.router_noise_std, self._router_noise)
+            perturb_routing(model, options.router_noise_std, self._router_noise, options.router_bias_std)
 
     @classmethod
     def from_pretrained(cls, path: str, options: EngineOptions) -> HFEngine:
@@ -157,7 +173,7 @@ class HFEngine:
                 _mark_unfinished(results, "aborted")
                 break
             logits = self._forward(step_ids, attention_mask, position_ids, cache)
-            tokens, log_probs = sample_next(logits, rows, self.generator, self.logit_noise_std)
+            tokens, log_probs = sample_next(logits, rows, self.generator, self.logit_noise_std, self.logit_bias)
             self._append(results, budgets, tokens.tolist(), log_probs.tolist())
             if all(r.stop_reason for r in results):
                 break

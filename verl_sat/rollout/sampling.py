@@ -84,9 +84,14 @@ def sample_next(
     rows: RowSampling,
     generator: torch.Generator | None = None,
     noise_std: float = 0.0,
+    bias: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sample one token per row from ``logits`` (B, V); return ``(tokens (B,), log_probs (B,))``."""
+    """Sample one token per row from ``logits + bias + noise_std * N(0, 1)`` (B, V); return
+    ``(tokens (B,), log_probs (B,))``. ``bias`` (V,) is a fixed per-token offset: a systematic
+    rollout/trainer mismatch, the same tokens favoured at every step."""
     logits = logits.float()
+    if bias is not None:
+        logits = logits + bias.to(logits.dtype)
     if noise_std > 0.0:
         logits = logits + noise_std * torch.randn(logits.shape, generator=generator, dtype=logits.dtype)
     greedy = rows.temperature <= 0.0

@@ -1,0 +1,127 @@
+"""The in-process study loop (verl_sat.study_loop): the trainer's log-probs line up with the
+rollout's, the lag sets the staleness, each mismatch knob does what it says, R3 removes the
+routing one, and bad settings name their field."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import verl_sat  # noqa: F401  (registers the SAT losses)
+from verl_sat.default import model as tiny
+from verl_sat.rollout.engine import EngineOptions, HFEngine, fixed_logit_bias
+from verl_sat.study_loop import LoopConfig, StudyLoop
+
+
+@pytest.fixture(scope="module")
+def model_and_tokenizer():
+    torch.set_num_threads(1)
+    tokenizer = tiny.build_tokenizer()
+    return tiny.build_model(tiny.build_config(tokenizer), seed=0).eval(), tokenizer
+
+
+@pytest.fixture
+def varied_reward(monkeypatch):
+    """An untrained model never answers right: score by response length so groups have variance."""
+    from verl_sat.default import reward
+
+    monkeypatch.setattr(reward, "compute_score", lambda source, text, answer: float(len(text) % 2))
+
+
+def run(model_and_tokenizer, **overrides) -> list[dict]:
+    settings = {"steps": 3, "prompts_per_step": 2, "rollout_n": 2, "max_response_length": 4, **overrides}
+    return StudyLoop(LoopConfig(**settings), *model_and_tokenizer).run()
+
+
+def test_without_mismatch_the_trainer_reproduces_the_rollouts_log_probs(model_and_tokenizer):
+    rows = run(model_and_tokenizer, steps=1)  # lag 1, first step: the same weights on both sides
+    assert rows[0]["actor/mismatch_abs_mean"] < 1e-5
+    assert rows[0]["training/sat/staleness_steps/max"] == 0.0
+
+
+def test_the_lag_sets_the_staleness_and_stale_samples_drift(model_and_tokenizer, varied_reward):
+    rows = run(model_and_tokenizer, steps=6, lag=3, lr=1e-2)
+    assert [r["training/sat/staleness_steps/max"] for r in rows] == [0, 1, 2, 0, 1, 2]
+    assert rows[0]["actor/mismatch_abs_mean"] < 1e-5  # fresh weights
+    assert rows[2]["actor/mismatch_abs_mean"] > 1e-3  # two updates later the policy has moved
+
+
+def test_a_fixed_logit_bias_is_a_systematic_mismatch(model_and_tokenizer):
+    model, _ = model_and_tokenizer
+    options = EngineOptions(logit_bias_std=1.0, seed=5)
+    bias = fixed_logit_bias(model, options)
+    assert bias.shape == (model.config.vocab_size,)
+    torch.testing.assert_close(bias, fixed_logit_bias(model, options))  # the same offset every time
+    assert fixed_logit_bias(model, EngineOptions(seed=5)) is None
+    rows = run(model_and_tokenizer, logit_bias_std=1.0)
+    assert all(r["actor/mismatch_abs_mean"] > 0.05 for r in rows)
+
+
+def test_r3_removes_a_routing_mismatch(model_and_tokenizer):
+    plain = run(model_and_tokenizer, steps=2, router_bias_std=3.0)
+    replayed = run(model_and_tokenizer, steps=2, router_bias_std=3.0, routing_replay="R3")
+    assert min(r["actor/mismatch_abs_mean"] for r in plain) > 1e-3
+    assert max(r["actor/mismatch_abs_mean"] for r in replayed) < 1e-4
+
+
+@pytest.mark.parametrize(
+    ("overrides", "metric"),
+    [
+        ({"loss_mode": "sat", "loss_agg_mode": "token-mean"}, "actor/sat_gate_rate"),
+        ({"loss_mode": "sat_gspo", "sat_enabled": False}, "actor/pg_clipfrac"),
+        ({"loss_mode": "vanilla", "correction": "tis", "loss_agg_mode": "token-mean"}, "rollout_corr/rollout_is_mean"),
+        (
+            {"loss_mode": "dppo_tv", "loss_agg_mode": "token-mean", "eps_low": 0.001, "eps_high": 0.001},
+            "actor/pg_clipfrac",
+        ),
+    ],
+)
+def test_every_arm_trains_through_verls_registered_loss(model_and_tokenizer, varied_reward, overrides, metric):
+    model, tokenizer = model_and_tokenizer
+    loop = StudyLoop(
+        LoopConfig(steps=1, prompts_per_step=2, rollout_n=2, max_response_length=4, lr=1e-2, **overrides),
+        model,
+        tokenizer,
+    )
+    before = [p.detach().clone() for p in loop.policy.parameters()]
+    rows = loop.run()
+    assert metric in rows[0] and all(torch.isfinite(torch.tensor(v)) for v in rows[0].values())
+    assert any(not torch.equal(a, b) for a, b in zip(before, loop.policy.parameters(), strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), loop.rollout.model.parameters(), strict=True))
+
+
+def test_run_writes_verls_file_logger_format(model_and_tokenizer, tmp_path):
+    from verl_sat.report import load_run
+
+    cfg = LoopConfig(steps=2, lag=2, prompts_per_step=2, rollout_n=2, max_response_length=4)
+    StudyLoop(cfg, *model_and_tokenizer).run(tmp_path, method="sat_gspo")
+    run_ = load_run(tmp_path)
+    assert (run_.method, run_.lag) == ("sat_gspo", 2)
+    assert sorted(run_.metrics["critic/score/mean"]) == [1, 2]
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("lag", 0),
+        ("loss_mode", "ppo"),
+        ("correction", "is"),
+        ("routing_replay", "R2"),
+        ("rollout_n", 1),
+        ("logit_bias_std", -1.0),
+    ],
+)
+def test_bad_loop_settings_name_the_field(field, value):
+    with pytest.raises(ValueError, match=f"LoopConfig.{field}"):
+        LoopConfig(**{field: value})
+
+
+def test_engine_options_take_the_bias_knobs_from_engine_kwargs():
+    from types import SimpleNamespace
+
+    from verl_sat.rollout.server import engine_options
+
+    config = SimpleNamespace(seed=0, engine_kwargs={"hf": {"logit_bias_std": 0.5, "router_bias_std": 1.5}})
+    options = engine_options(config, 0)
+    assert (options.logit_bias_std, options.router_bias_std) == (0.5, 1.5)
+    assert isinstance(HFEngine, type)
