@@ -187,14 +187,14 @@ def test_concurrent_jobs_build_the_default_assets_once(tmp_path, monkeypatch):
         return {"sampled_accuracy": 0.0}
 
     monkeypatch.setattr(warmup, "build", fake_build)
-    assets = tmp_path / "cache" / "tiny_moe_v4"
+    assets = tmp_path / "cache" / "tiny_moe_v5"
     threads = [threading.Thread(target=main.build_assets_once, args=(assets,)) for _ in range(2)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
     assert len(calls) == 1 and calls[0] != assets  # built once, in a temporary directory
-    assert main.assets_complete(assets) and not list(assets.parent.glob(".tiny_moe_v4.building-*"))
+    assert main.assets_complete(assets) and not list(assets.parent.glob(".tiny_moe_v5.building-*"))
     # an incomplete directory the user pointed at is completed in place, not replaced
     partial = tmp_path / "mine"
     (partial / "model").mkdir(parents=True)

@@ -1,4 +1,4 @@
-"""The default's SFT warm-up stops at its target sampled accuracy, and rejects bad settings."""
+"""The default's SFT warm-up stops at its target (greedy by default) accuracy, and rejects bad settings."""
 
 from __future__ import annotations
 
@@ -23,6 +23,26 @@ def test_warmup_stops_at_the_first_check_that_reaches_the_target(monkeypatch):
     assert len(losses) == 9  # checks after steps 3, 6, 9: the third reaches 0.4
 
 
+@pytest.mark.parametrize("stop_on", ["greedy", "sampled"])
+def test_warmup_stops_on_the_accuracy_it_is_told_to(monkeypatch, stop_on):
+    seen = []
+
+    def accuracy(*args, greedy=False, **kwargs):
+        seen.append(greedy)
+        return 1.0 if greedy == (stop_on == "greedy") else 0.0
+
+    monkeypatch.setattr(warmup, "sampled_accuracy", accuracy)
+    model, tokenizer = tiny_model()
+    args = warmup.WarmupArgs(steps=20, batch_size=2, check_every=2, target_accuracy=0.5, stop_on=stop_on)
+    assert len(warmup.train(model, tokenizer, args)) == 2  # the first check stops it
+    assert seen == [stop_on == "greedy"]
+
+
+def test_the_default_warmup_stops_on_greedy_accuracy():
+    # the default's learning curve climbs from the sampled towards the greedy accuracy
+    assert warmup.WarmupArgs().stop_on == "greedy"
+
+
 def test_warmup_without_target_runs_every_step(monkeypatch):
     monkeypatch.setattr(warmup, "sampled_accuracy", lambda *a, **k: 1.0)
     model, tokenizer = tiny_model()
@@ -39,6 +59,7 @@ def test_warmup_without_target_runs_every_step(monkeypatch):
         ("check_every", 0),
         ("label_smoothing", 1.0),
         ("label_smoothing", -0.1),
+        ("stop_on", "loss"),
     ],
 )
 def test_bad_warmup_settings_name_the_field(field, value):

@@ -63,7 +63,7 @@ PROGRESS_KEYS = {
 # ---------------------------------------------------------------------------------------------
 def default_assets_dir() -> Path:
     root = os.environ.get("XDG_CACHE_HOME", str(Path.home() / ".cache"))
-    return Path(root) / "verl-sat" / "tiny_moe_v4"
+    return Path(root) / "verl-sat" / "tiny_moe_v5"
 
 
 def assets_complete(assets: Path) -> bool:
