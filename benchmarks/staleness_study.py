@@ -1,27 +1,21 @@
-"""Staleness study: GSPO / SAT-GSPO / GRPO / SAT-GRPO, with and without R3, at lag 1 and lag 8.
+"""Staleness study in a regime where stale training is in trouble: SAT against the baselines, many seeds.
 
-Every run goes through verl's real trainer (``python -m verl_sat.main``, one subprocess at a
-time, each into its own run directory under ``--out/runs/``) on the CPU default (tiny Qwen3-MoE,
-synthetic arithmetic, separate_async). The rollout's logits get Gaussian noise
-(``actor_rollout_ref.rollout.engine_kwargs.hf.logit_noise_std``) so that rollout and trainer
-disagree measurably and staleness bites at this scale. The number of *optimizer* steps is the
-same at every lag (``trainer.total_training_steps = steps / lag`` verl global steps).
+Every run is one :class:`verl_sat.study_loop.StudyLoop` (the CPU trainer's HF rollout engine,
+verl's registered losses and GRPO advantage, in one process: docs/study.md says what it does
+and does not exercise). ``--jobs`` worker processes each import torch/verl/transformers once
+and load the default's assets once, then run many runs: per-run start-up is building the two
+model copies (printed), against ~65 s per run through verl's trainer.
 
-Baselines: GSPO and GRPO run as ``sat_gspo`` / ``sat`` with ``policy_loss.sat_enabled=false``,
-which is bit-identical to verl's ``gspo`` / ``vanilla`` losses (README, tests/test_losses_on_cpu.py)
-and in addition logs ``dbar_pi`` (``actor/mismatch_abs_mean``), which verl's own losses do not.
+    python benchmarks/staleness_study.py --search --out runs/search     # baselines only: pick the regime
+    python benchmarks/staleness_study.py --out runs/study               # the measurement (<= 90 min)
+    python benchmarks/staleness_study.py --quick --out runs/study_quick # <= 10 min: the pipeline, 1 seed
+    python benchmarks/staleness_study.py --summarize-only runs/study    # table + figures again
 
-    python benchmarks/staleness_study.py --quick --out runs/study_quick     # <= 10 min on 2 cores
-    python benchmarks/staleness_study.py --out runs/study                   # full: 4 x 2 x 2 x 3 seeds
-    python benchmarks/staleness_study.py --dry-run                          # print the commands only
-    python benchmarks/staleness_study.py --summarize-only runs/study        # table + plots again
-
-Outputs in ``--out``: ``study.md`` (one row per (method, lag): mean ± std over seeds of the
-final reward (mean of the last 25% of logged steps), the best reward, collapses (runs where the
-CPU default's collapse sentinel, replayed on the logged metrics, alarms), mean ``dbar_pi`` and
-mean SAT gate rate), ``study.json`` (also report.py's ``CollapseRule`` per run),
-``reward.png`` and ``dbar_pi.png`` (seed mean with a ±1 std band against optimizer steps, one
-panel per lag, one line per method).
+The regime (``REGIME``) was fixed from the ``--search`` baselines alone, before any SAT run, and
+is written with that evidence in docs/study.md. Outputs in ``--out``: ``study.md`` (per arm and
+lag: final and best reward with 95% bootstrap intervals over seeds, collapsed seeds under the
+replayed collapse sentinel, dbar_pi, gate rate), ``study.json``, ``reward.png``, ``dbar_pi.png``,
+``gate_rate.png``; each run's metrics under ``runs/<arm>-lag<n>-seed<k>/``.
 """
 
 from __future__ import annotations
@@ -30,585 +24,402 @@ import argparse
 import json
 import math
 import os
-import re
-import statistics
-import subprocess
 import sys
 import time
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass, field
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import asdict, dataclass, replace
+from multiprocessing import get_context
 from pathlib import Path
 from typing import Any
 
-from verl_sat.report import DBAR_PI_KEY, GATE_RATE_KEY, CollapseRule, Run, Series, load_run, reward_series
-from verl_sat.sentinel import CollapseSentinel, SentinelConfig
+from verl_sat.study_loop import METRICS_FILE, LoopConfig
+from verl_sat.study_stats import bootstrap_ci, cpu_sentinel_config, final_mean, replay_sentinel
 
-# ---------------------------------------------------------------------------------------------
-# Settings
-# ---------------------------------------------------------------------------------------------
-
-# method -> (loss_mode, loss_agg_mode, sat_enabled). Baselines: SAT off = verl's loss, bit for bit.
-LOSSES: dict[str, tuple[str, str, bool]] = {
-    "gspo": ("sat_gspo", "seq-mean-token-mean", False),
-    "sat_gspo": ("sat_gspo", "seq-mean-token-mean", True),
-    "grpo": ("sat", "token-mean", False),
-    "sat_grpo": ("sat", "token-mean", True),
+# arm -> LoopConfig fields. Baselines run the SAT losses with sat_enabled=false: verl's own
+# vanilla / gspo loss bit for bit (tests/test_losses_on_cpu.py), plus the dbar_pi metric.
+ARMS: dict[str, dict[str, Any]] = {
+    "grpo": {"loss_mode": "sat", "sat_enabled": False, "loss_agg_mode": "token-mean"},
+    "sat_grpo": {"loss_mode": "sat", "loss_agg_mode": "token-mean"},
+    "gspo": {"loss_mode": "sat_gspo", "sat_enabled": False, "loss_agg_mode": "seq-mean-token-mean"},
+    "sat_gspo": {"loss_mode": "sat_gspo", "loss_agg_mode": "seq-mean-token-mean"},
+    "grpo_tis": {"loss_mode": "vanilla", "correction": "tis", "loss_agg_mode": "token-mean"},
+    # hydra_configs/algorithm/dppo.yaml: delta 1e-3 in probability, IS cap 20
+    "dppo_tv": {
+        "loss_mode": "dppo_tv",
+        "loss_agg_mode": "token-mean",
+        "eps_low": 1e-3,
+        "eps_high": 1e-3,
+        "clip_ratio_c": 20.0,
+    },
+    "gspo_r3": {"loss_mode": "sat_gspo", "sat_enabled": False, "routing_replay": "R3"},
+    "sat_gspo_r3": {"loss_mode": "sat_gspo", "routing_replay": "R3"},
 }
-NOISE_KEY = "actor_rollout_ref.rollout.engine_kwargs.hf.logit_noise_std"
-SEED_KEYS = ("actor_rollout_ref.rollout.seed", "data.seed")
-DEFAULT_NOISE = 0.5  # measured at lag 1: mean dbar_pi 0.069 vs 0.015 without noise (0.2: 0.024; docs/study.md)
-QUICK = {"methods": ("gspo", "sat_gspo"), "r3": (False,), "lags": (1, 8), "seeds": (1,), "steps": 8}
-FULL = {"methods": tuple(LOSSES), "r3": (False, True), "lags": (1, 8), "seeds": (1, 2, 3), "steps": 16}
-# Cost model of the estimate, measured on the quiet 2-core machine (docs/study.md): Ray, workers,
-# FSDP and rollout start-up ~65 s per run (verl's import alone is 7.5 s in each of ~6 processes);
-# an optimizer step ~3.5 s. Two runs side by side took 144 s against 2 x 86 s one after the
-# other: start-up is mostly one process importing at a time, so a second job overlaps it.
-STARTUP_S = 65.0
-STEP_S = 3.5
-PARALLEL_GAIN = 1.2  # throughput of --jobs >= 2 over --jobs 1 (measured with 2; 2 cores)
-BUDGET_MIN = 60.0
-FINAL_FRAC = 0.25
-# report.py's reward-only collapse rule ("lost half its gain late"), kept in study.json. It is not
-# the table's collapse count: on 16 steps of a reward averaged over 32 samples (std ~0.06) it
-# flagged 6 of the first 8 lag-1 runs from sampling noise alone (docs/study.md). The table
-# counts alarms of the collapse sentinel, whose false-alarm rate is tested (docs/sentinel.md).
-COLLAPSE_RULE = CollapseRule(min_points=16)
-STATUS_FILE = "study_run.json"
+BASELINES = ("grpo", "gspo")
+
+# The stress regime, chosen from --search's baselines alone (docs/study.md, "The regime").
+REGIME: dict[str, Any] = {
+    "lr": 8e-4,
+    "steps": 240,
+    "logit_bias_std": 0.0,
+    "router_bias_std": 0.0,
+    "prompts_per_step": 8,
+    "rollout_n": 4,
+}
+STRESS_LAG = 32
+FULL = {
+    "arms": {
+        STRESS_LAG: ("grpo", "sat_grpo", "gspo", "sat_gspo", "grpo_tis", "dppo_tv"),
+        1: ("grpo", "sat_grpo", "gspo", "sat_gspo"),
+    },
+    "seeds": (1, 2, 3, 4, 5),
+}
+QUICK = {"arms": {STRESS_LAG: ("grpo", "sat_grpo"), 1: ("grpo",)}, "seeds": (1,), "steps": 160}
+# --search: the baselines at lag 1 and the stress lag, without and with a systematic mismatch
+# (a fixed per-token logit bias and a fixed per-expert router bias in the rollout)
+SEARCH = {
+    "lags": (1, STRESS_LAG),
+    "mismatch": {
+        "none": {"logit_bias_std": 0.0, "router_bias_std": 0.0},
+        "bias": {"logit_bias_std": 0.2, "router_bias_std": 1.0},
+    },
+    "seeds": (1, 2, 3),
+}
+REWARD_KEY = "critic/score/mean"
+DBAR_PI_KEY = "actor/mismatch_abs_mean"
+GATE_RATE_KEY = "actor/sat_gate_rate"
 
 
 @dataclass(frozen=True)
-class RunSpec:
-    """One training run of the study.
+class Spec:
+    """One run: an arm at a lag and a seed, with the regime's settings (and the search's tag)."""
 
-    Args:
-        method: ``gspo`` | ``sat_gspo`` | ``grpo`` | ``sat_grpo`` (without the R3 suffix).
-        r3: routing replay R3 on (``sat.routing_replay=R3``).
-        lag: optimizer steps between weight broadcasts (``sat.lag``).
-        seed: rollout and data-loader seed.
-        steps: optimizer steps (the same at every lag).
-        noise: std of the Gaussian noise on the rollout's logits.
-    """
-
-    method: str
-    r3: bool
+    arm: str
     lag: int
     seed: int
-    steps: int
-    noise: float
-
-    @property
-    def key(self) -> str:
-        """The Table-1 method key (``sat_gspo_r3``)."""
-        return self.method + ("_r3" if self.r3 else "")
+    settings: tuple[tuple[str, Any], ...]
+    tag: str = ""
 
     @property
     def name(self) -> str:
-        """Run directory name, ``<key>-lag<n>-seed<s>`` (readable by report.infer_method_lag)."""
-        return f"{self.key}-lag{self.lag}-seed{self.seed}"
+        tag = f"{self.tag}-" if self.tag else ""
+        return f"{tag}{self.arm}-lag{self.lag}-seed{self.seed}"
 
-    @property
-    def global_steps(self) -> int:
-        """verl global steps: each holds ``lag`` optimizer steps."""
-        return self.steps // self.lag
-
-    def overrides(self, run_dir: Path) -> list[str]:
-        """Hydra overrides of ``python -m verl_sat.main`` for this run."""
-        loss_mode, agg_mode, sat_enabled = LOSSES[self.method]
-        return [
-            f"sat.run_dir={run_dir}",
-            f"sat.method={self.key}",
-            f"sat.lag={self.lag}",
-            f"sat.routing_replay={'R3' if self.r3 else 'disabled'}",
-            f"trainer.total_training_steps={self.global_steps}",
-            f"actor_rollout_ref.actor.policy_loss.loss_mode={loss_mode}",
-            f"actor_rollout_ref.actor.policy_loss.sat_enabled={str(sat_enabled).lower()}",
-            f"actor_rollout_ref.actor.loss_agg_mode={agg_mode}",
-            f"{NOISE_KEY}={self.noise}",
-            *(f"{key}={self.seed}" for key in SEED_KEYS),
-        ]
+    def config(self) -> LoopConfig:
+        return LoopConfig(**{**dict(self.settings), **ARMS[self.arm], "lag": self.lag, "seed": self.seed})
 
 
-def plan(
-    methods: Sequence[str], r3: Sequence[bool], lags: Sequence[int], seeds: Sequence[int], steps: int, noise: float
-) -> list[RunSpec]:
-    """All runs, seed-major (a partial study still covers every cell), then lag, method, R3."""
-    for method in methods:
-        if method not in LOSSES:
-            raise ValueError(f"--methods: unknown method {method!r}; known: {list(LOSSES)}")
-    for lag in lags:
-        if lag < 1 or steps % lag:
-            raise ValueError(f"--steps={steps} must be a positive multiple of every lag (got lag {lag})")
-    return [
-        RunSpec(method, flag, lag, seed, steps, noise)
-        for seed in seeds
-        for lag in lags
-        for method in methods
-        for flag in r3
-    ]
+def plan(arms: dict[int, Sequence[str]], seeds: Sequence[int], settings: dict[str, Any], tag: str = "") -> list[Spec]:
+    """Every (lag, arm, seed), lag-major; each spec validated (a bad arm or setting fails here)."""
+    specs = []
+    for lag, names in arms.items():
+        for arm in names:
+            if arm not in ARMS:
+                raise ValueError(f"unknown arm {arm!r}; known: {sorted(ARMS)}")
+            for seed in seeds:
+                spec = Spec(arm, lag, seed, tuple(sorted(settings.items())), tag)
+                spec.config()
+                specs.append(spec)
+    return specs
 
 
-def command(spec: RunSpec, out: Path, extra: Sequence[str] = (), python: str = sys.executable) -> list[str]:
-    """The command line of one run (its run directory is ``out/runs/<name>``)."""
-    return [python, "-m", "verl_sat.main", *spec.overrides(out / "runs" / spec.name), *extra]
-
-
-def estimate_s(specs: Sequence[RunSpec], startup_s: float = STARTUP_S, step_s: float = STEP_S, jobs: int = 1) -> float:
-    """Estimated wall time of ``specs`` in seconds: start-up + optimizer steps per run, run ``jobs``
-    at a time (``PARALLEL_GAIN`` for more than one: 2 cores do not make two runs twice as fast)."""
-    serial = sum(startup_s + spec.steps * step_s for spec in specs)
-    return serial / (PARALLEL_GAIN if jobs > 1 else 1.0)
+def search_plan(seeds: Sequence[int] = SEARCH["seeds"]) -> list[Spec]:
+    """The baselines at every search lag, under each mismatch (the regime's other settings fixed)."""
+    specs = []
+    for tag, mismatch in SEARCH["mismatch"].items():
+        arms = {lag: BASELINES for lag in SEARCH["lags"]}
+        specs += plan(arms, seeds, {**REGIME, **mismatch}, tag=tag)
+    return specs
 
 
 # ---------------------------------------------------------------------------------------------
-# Running
+# Running: worker processes that import and load once, then run many specs
 # ---------------------------------------------------------------------------------------------
+_ASSETS: Any = None
 
 
-def run_one(spec: RunSpec, out: Path, extra: Sequence[str], timeout_s: float) -> dict[str, Any]:
-    """Run one training job; writes ``train.log`` and ``study_run.json`` into its run directory.
+def _worker_init(assets_dir: str) -> None:
+    global _ASSETS
+    import verl_sat  # noqa: F401  (registers the SAT losses)
+    from verl_sat.study_loop import load_assets
 
-    Status ``ok``, ``failed`` or, when an R3 run fails, ``unavailable`` (routing replay not usable
-    in this checkout); a run directory that already holds a finished run is skipped.
-    """
-    run_dir = out / "runs" / spec.name
-    status_path = run_dir / STATUS_FILE
-    if status_path.is_file() and json.loads(status_path.read_text()).get("status") == "ok":
-        print(f"[study] {spec.name}: already done, skipped", flush=True)
-        return json.loads(status_path.read_text())
-    if run_dir.exists():  # an earlier, unfinished attempt: main refuses a non-empty metrics.jsonl
-        for stale in ("metrics.jsonl", "run.json"):
-            (run_dir / stale).unlink(missing_ok=True)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    env = {k: v for k, v in os.environ.items() if not k.startswith("VERL_FILE_LOGGER")}
+    _ASSETS = load_assets(assets_dir)
+
+
+def _run_spec(spec: Spec, out: str) -> dict[str, Any]:
+    from verl_sat.study_loop import StudyLoop
+
+    run_dir = Path(out) / "runs" / spec.name
     start = time.perf_counter()
-    with (run_dir / "train.log").open("w") as log:
-        try:
-            proc = subprocess.run(
-                command(spec, out, extra), stdout=log, stderr=subprocess.STDOUT, env=env, cwd=out, timeout=timeout_s
+    loop = StudyLoop(spec.config(), *_ASSETS)
+    startup = time.perf_counter() - start
+    loop.run(run_dir, method=spec.arm)
+    return {"name": spec.name, "startup_s": startup, "run_s": time.perf_counter() - start}
+
+
+def run_all(specs: Sequence[Spec], out: Path, assets_dir: Path, jobs: int) -> list[dict[str, Any]]:
+    """Run ``specs`` on ``jobs`` worker processes (skipping runs already complete in ``out``)."""
+    todo = [s for s in specs if not _complete(out / "runs" / s.name, s.config().steps)]
+    print(f"[study] {len(specs)} runs, {len(specs) - len(todo)} already done; {jobs} worker(s)", flush=True)
+    if not todo:
+        return []
+    start = time.perf_counter()
+    ctx = get_context("spawn")
+    timings = []
+    with ProcessPoolExecutor(jobs, mp_context=ctx, initializer=_worker_init, initargs=(str(assets_dir),)) as pool:
+        futures = [pool.submit(_run_spec, spec, str(out)) for spec in todo]
+        for i, future in enumerate(futures, 1):
+            result = future.result()
+            timings.append(result)
+            elapsed = time.perf_counter() - start
+            print(
+                f"[study] {i}/{len(todo)} {result['name']}: {result['run_s']:.0f} s "
+                f"(start-up {result['startup_s']:.2f} s) | {elapsed / 60:.1f} min",
+                flush=True,
             )
-            rc: int | None = proc.returncode
-        except subprocess.TimeoutExpired:
-            rc = None
-    seconds = time.perf_counter() - start
-    ok = rc == 0 and (run_dir / "metrics.jsonl").is_file()
-    status = "ok" if ok else ("unavailable" if spec.r3 else "failed")
-    record = {**asdict(spec), "key": spec.key, "name": spec.name, "status": status, "rc": rc, "seconds": seconds}
-    status_path.write_text(json.dumps(record, indent=1) + "\n")
-    print(f"[study] {spec.name}: {status} in {seconds:.0f} s", flush=True)
-    return record
+    return timings
+
+
+def _complete(run_dir: Path, steps: int) -> bool:
+    path = run_dir / METRICS_FILE
+    return path.is_file() and len(path.read_text().splitlines()) >= steps
 
 
 # ---------------------------------------------------------------------------------------------
-# Summaries
+# Summary
 # ---------------------------------------------------------------------------------------------
+def read_rows(run_dir: Path) -> list[dict[str, Any]]:
+    lines = (run_dir / METRICS_FILE).read_text().splitlines()
+    return [{"step": r["step"], **r["data"]} for r in map(json.loads, lines)]
 
 
-@dataclass
-class RunStats:
-    """The study's numbers for one run (None: the run never logged the metric)."""
-
-    name: str
-    method: str
-    lag: int
-    seed: int
-    status: str
-    final_reward: float | None = None
-    best_reward: float | None = None
-    collapsed: bool | None = None  # the sentinel alarmed (None: it never got past its warm-up)
-    reward_rule_collapsed: bool | None = None  # report.CollapseRule on the reward alone
-    dbar_pi: float | None = None
-    gate_rate: float | None = None
-    sentinel_alarms: int | None = None
-    sentinel_scored: int | None = None
-    dbar_pi_by_staleness: dict[int, float] = field(default_factory=dict)
-
-
-BY_STALENESS_KEY = re.compile(r"^actor/sat_by_staleness/(\d+)/mismatch_abs_mean$")
-
-
-def staleness_profile(run: Run) -> dict[int, float]:
-    """{s: dbar_pi among the tokens of staleness s}, averaged over the run's logged steps."""
-    profile = {}
-    for key, series in run.metrics.items():
-        match = BY_STALENESS_KEY.match(key)
-        if match and series:
-            profile[int(match.group(1))] = statistics.fmean(series.values())
-    return dict(sorted(profile.items()))
+def run_stats(spec: Spec, rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """Final and best reward, collapse alarms (replayed sentinel), mean dbar_pi and gate rate of one run."""
+    rewards = [r[REWARD_KEY] for r in rows]
+    alarms, scored = replay_sentinel(rows, cpu_sentinel_config())
+    tail = rows[-max(1, math.ceil(0.25 * len(rows))) :]
+    gate = [r[GATE_RATE_KEY] for r in rows if GATE_RATE_KEY in r and spec.arm.startswith("sat")]
+    return {
+        "name": spec.name,
+        "arm": spec.arm,
+        "lag": spec.lag,
+        "seed": spec.seed,
+        "tag": spec.tag,
+        "final_reward": final_mean(rewards),
+        "best_reward": max(rewards),
+        "collapsed": bool(alarms) if scored else None,
+        "first_alarm": alarms[0] if alarms else None,
+        "dbar_pi": sum(r[DBAR_PI_KEY] for r in rows) / len(rows),
+        "dbar_pi_final": sum(r[DBAR_PI_KEY] for r in tail) / len(tail),
+        "gate_rate": sum(gate) / len(gate) if gate else None,
+    }
 
 
-def cpu_sentinel_config() -> SentinelConfig:
-    """The CPU default's ``sat.sentinel`` (``hydra_configs/sat_gspo_cpu.yaml``), as the main job runs it."""
-    from omegaconf import OmegaConf
-
-    from verl_sat.paths import hydra_config_dir
-
-    return SentinelConfig.from_node(OmegaConf.load(Path(hydra_config_dir()) / "sat_gspo_cpu.yaml").sat.sentinel)
-
-
-def replay_sentinel(run: Run, config: SentinelConfig) -> tuple[int, int]:
-    """(alarms, scored steps) of the collapse sentinel replayed on a run's logged metrics.
-
-    The sentinel is pure Python over per-step metric dicts, so replaying it on ``metrics.jsonl``
-    is what it would have done online. A step is scored once the reward band exists (after the
-    warm-up).
-    """
-    sentinel = CollapseSentinel(config)
-    steps = sorted({step for series in run.metrics.values() for step in series})
-    alarms = scored = 0
-    for step in steps:
-        scored += math.isfinite(sentinel.reward_band())
-        alarms += sentinel.update(step, {k: v[step] for k, v in run.metrics.items() if step in v}) is not None
-    return alarms, scored
-
-
-def _mean(values: Sequence[float]) -> float | None:
-    return sum(values) / len(values) if values else None
-
-
-def final_mean(series: Series, frac: float = FINAL_FRAC) -> float | None:
-    """Mean of the last ``ceil(frac * n)`` points (at least one)."""
-    if not series:
-        return None
-    k = max(1, math.ceil(frac * len(series)))
-    return _mean([v for _, v in series[-k:]])
-
-
-def seed_of(name: str) -> int:
-    """``"gspo-lag8-seed3"`` -> 3 (0 when the name carries no seed)."""
-    match = re.search(r"seed(\d+)", name)
-    return int(match.group(1)) if match else 0
-
-
-def run_stats(
-    run: Run, seed: int, status: str = "ok", rule: CollapseRule | None = None, sentinel: SentinelConfig | None = None
-) -> RunStats:
-    """Final and best reward, collapse flag, mean dbar_pi, mean gate rate and sentinel alarms of one run."""
-    rewards = reward_series(run)
-    gate = [v for _, v in run.series(GATE_RATE_KEY)]
-    alarms, scored = replay_sentinel(run, sentinel or cpu_sentinel_config())
-    return RunStats(
-        name=run.name,
-        method=run.method,
-        lag=run.lag,
-        seed=seed,
-        status=status,
-        final_reward=final_mean(rewards),
-        best_reward=max((v for _, v in rewards), default=None),
-        collapsed=alarms > 0 if scored else None,
-        reward_rule_collapsed=(rule or COLLAPSE_RULE).collapsed(rewards),
-        dbar_pi=_mean([v for _, v in run.series(DBAR_PI_KEY)]),
-        gate_rate=_mean(gate),
-        sentinel_alarms=alarms,
-        sentinel_scored=scored,
-        dbar_pi_by_staleness=staleness_profile(run),
-    )
-
-
-def load_study(out: Path) -> tuple[list[Run], list[RunStats]]:
-    """Every run directory under ``out/runs`` (or ``out`` itself): finished runs and all stats.
-
-    A run without metrics (failed, or R3 unavailable) appears only in the stats, by its status.
-    """
-    root = out / "runs" if (out / "runs").is_dir() else out
-    runs, stats = [], []
-    sentinel = cpu_sentinel_config()
-    for run_dir in sorted(p for p in root.iterdir() if p.is_dir()):
-        record = json.loads((run_dir / STATUS_FILE).read_text()) if (run_dir / STATUS_FILE).is_file() else {}
-        seed = int(record.get("seed", seed_of(run_dir.name)))
-        status = str(record.get("status", "ok"))
-        if (run_dir / "metrics.jsonl").is_file() and status == "ok":
-            run = load_run(run_dir)
-            runs.append(run)
-            stats.append(run_stats(run, seed, status, sentinel=sentinel))
-        elif record:
-            stats.append(RunStats(run_dir.name, str(record["key"]), int(record["lag"]), seed, status))
-    return runs, stats
-
-
-@dataclass
-class CellSummary:
-    """One (method, lag) row: mean and std over seeds of each statistic."""
-
-    method: str
-    lag: int
-    seeds: int
-    statuses: dict[str, int] = field(default_factory=dict)
-    values: dict[str, tuple[float, float] | None] = field(default_factory=dict)
-    collapses: tuple[int, int] = (0, 0)
-    sentinel: tuple[int, int] = (0, 0)  # (alarms, scored steps) over the cell's runs
-    by_staleness: dict[int, tuple[float, float]] = field(default_factory=dict)  # s -> dbar_pi mean, std
-
-
-STAT_COLUMNS = ("final_reward", "best_reward", "dbar_pi", "gate_rate")
-
-
-def mean_std(values: Sequence[float]) -> tuple[float, float] | None:
-    """(mean, sample std) — std 0 for a single value; None for none."""
-    if not values:
-        return None
-    return statistics.fmean(values), statistics.stdev(values) if len(values) > 1 else 0.0
-
-
-def method_order(method: str) -> tuple[int, str]:
-    """Baselines before SAT, objectives in LOSSES order, R3 after the plain variant."""
-    base = method.removesuffix("_r3")
-    order = list(LOSSES)
-    return (order.index(base) if base in order else len(order), method)
-
-
-def summarize(stats: Sequence[RunStats]) -> list[CellSummary]:
-    """One CellSummary per (method, lag), ordered by lag, then method."""
-    cells: dict[tuple[str, int], list[RunStats]] = {}
+def cells(stats: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One cell per (tag, lag, arm): means over seeds with 95% bootstrap intervals, collapse counts."""
+    groups: dict[tuple[str, int, str], list[dict[str, Any]]] = {}
     for s in stats:
-        cells.setdefault((s.method, s.lag), []).append(s)
+        groups.setdefault((s["tag"], s["lag"], s["arm"]), []).append(s)
+    order = list(ARMS)
     out = []
-    for (method, lag), group in sorted(cells.items(), key=lambda kv: (kv[0][1], method_order(kv[0][0]))):
-        ok = [s for s in group if s.status == "ok"]
-        statuses: dict[str, int] = {}
-        for s in group:
-            statuses[s.status] = statuses.get(s.status, 0) + 1
-        values = {col: mean_std([getattr(s, col) for s in ok if getattr(s, col) is not None]) for col in STAT_COLUMNS}
-        judged = [s.collapsed for s in ok if s.collapsed is not None]
-        sentinel = (sum(s.sentinel_alarms or 0 for s in ok), sum(s.sentinel_scored or 0 for s in ok))
-        levels = sorted({k for s in ok for k in s.dbar_pi_by_staleness})
-        by_staleness = {
-            k: mean_std([s.dbar_pi_by_staleness[k] for s in ok if k in s.dbar_pi_by_staleness]) for k in levels
-        }
-        cells = (sum(judged), len(judged))
-        out.append(CellSummary(method, lag, len(ok), statuses, values, cells, sentinel, by_staleness))
+    for (tag, lag, arm), runs in sorted(groups.items(), key=lambda kv: (kv[0][0], -kv[0][1], order.index(kv[0][2]))):
+        cell: dict[str, Any] = {"tag": tag, "lag": lag, "arm": arm, "seeds": len(runs)}
+        for key in ("final_reward", "best_reward", "dbar_pi", "dbar_pi_final", "gate_rate"):
+            values = [r[key] for r in runs if r[key] is not None]
+            cell[key] = sum(values) / len(values) if values else None
+            cell[f"{key}_ci"] = bootstrap_ci(values)
+        judged = [r for r in runs if r["collapsed"] is not None]
+        cell["collapsed"] = (sum(r["collapsed"] for r in judged), len(judged))
+        out.append(cell)
     return out
 
 
-def _cell(value: tuple[float, float] | None, spec: str) -> str:
-    if value is None:
+def _ci(cell: dict[str, Any], key: str, spec: str = ".3f") -> str:
+    if cell[key] is None:
         return "–"
-    mean, std = value
-    return f"{mean:{spec}} ± {std:{spec}}"
+    lo, hi = cell[f"{key}_ci"]
+    return f"{cell[key]:{spec}} [{lo:{spec}}, {hi:{spec}}]"
 
 
-def format_study(cells: Sequence[CellSummary], title: str = "Staleness study") -> str:
-    """study.md: one row per (method, lag), mean ± std over seeds."""
+def format_table(table: Sequence[dict[str, Any]]) -> list[str]:
     lines = [
-        f"# {title}",
-        "",
-        "| method | lag | seeds | final reward | best reward | collapses | dbar_pi | SAT gate rate | runs |",
+        "| mismatch | lag | arm | seeds | final reward [95% CI] | best reward [95% CI] | collapsed | "
+        "dbar_pi (last quarter) | SAT gate rate |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
-    for c in cells:
-        collapsed, judged = c.collapses
-        statuses = ", ".join(f"{n} {status}" for status, n in sorted(c.statuses.items()))
-        cells_text = [
-            c.method,
-            str(c.lag),
-            str(c.seeds),
-            _cell(c.values.get("final_reward"), ".3f"),
-            _cell(c.values.get("best_reward"), ".3f"),
-            f"{collapsed}/{judged}" if judged else "n/a",
-            _cell(c.values.get("dbar_pi"), ".4f"),
-            _cell(c.values.get("gate_rate"), ".3f"),
-            statuses,
-        ]
-        lines.append("| " + " | ".join(cells_text) + " |")
-    lines += format_staleness_table(cells)
-    lines += [
-        "",
-        f"final reward: mean `critic/score/mean` over the last {FINAL_FRAC:.0%} of logged steps; best: its maximum.",
-        "collapses: runs in which the CPU default's collapse sentinel, replayed on the logged metrics, alarmed / "
-        "runs it scored (n/a: no run got past its warm-up of "
-        f"{cpu_sentinel_config().warmup} logged steps).",
-        f"dbar_pi: mean `{DBAR_PI_KEY}` over the run; gate rate: mean `{GATE_RATE_KEY}` (SAT runs only).",
-        "Cells: mean ± std over seeds (std 0 with one seed). runs: statuses (unavailable = R3 failed).",
-    ]
-    return "\n".join(lines) + "\n"
-
-
-def format_staleness_table(cells: Sequence[CellSummary]) -> list[str]:
-    """dbar_pi by per-sample staleness (optimizer steps), one row per (method, lag > 1)."""
-    rows = [c for c in cells if c.lag > 1 and c.by_staleness]
-    if not rows:
-        return []
-    levels = sorted({k for c in rows for k in c.by_staleness})
-    lines = [
-        "",
-        "dbar_pi by per-sample staleness s (optimizer steps between the generating and the trained weights), "
-        "mean over each run's steps, then mean ± std over seeds:",
-        "",
-        "| method | lag | " + " | ".join(f"s={k}" for k in levels) + " |",
-        "|---|---|" + "---|" * len(levels),
-    ]
-    for c in rows:
-        values = [_cell(c.by_staleness.get(k), ".3f") for k in levels]
-        lines.append(f"| {c.method} | {c.lag} | " + " | ".join(values) + " |")
+    for c in table:
+        collapsed, judged = c["collapsed"]
+        lines.append(
+            f"| {c['tag'] or '-'} | {c['lag']} | {c['arm']} | {c['seeds']} | {_ci(c, 'final_reward')} | "
+            f"{_ci(c, 'best_reward')} | {collapsed}/{judged} | {_ci(c, 'dbar_pi_final', '.4f')} | "
+            f"{_ci(c, 'gate_rate')} |"
+        )
     return lines
 
 
-# ---------------------------------------------------------------------------------------------
-# Figures
-# ---------------------------------------------------------------------------------------------
+def summarize(out: Path, specs: Sequence[Spec], title: str) -> list[dict[str, Any]]:
+    """study.md, study.json and the figures from the run directories under ``out/runs``."""
+    runs = {s.name: read_rows(out / "runs" / s.name) for s in specs if (out / "runs" / s.name / METRICS_FILE).is_file()}
+    stats = [run_stats(s, runs[s.name]) for s in specs if s.name in runs]
+    table = cells(stats)
+    regime = ", ".join(f"{k}={v}" for k, v in sorted(dict(specs[0].settings).items())) if specs else ""
+    sentinel = cpu_sentinel_config()
+    text = [f"# {title}", "", f"Settings: {regime}.", "", *format_table(table), ""]
+    text += [
+        "final reward: mean `critic/score/mean` over the last 25% of optimizer steps; best: its maximum.",
+        "[95% CI]: percentile bootstrap of the mean over seeds. collapsed: seeds in which the CPU default's "
+        f"collapse sentinel (window {sentinel.window}, warm-up {sentinel.warmup}, patience {sentinel.patience}), "
+        "replayed on the logged metrics, alarmed / seeds.",
+        "dbar_pi: mean |log pi - log mu| over the last quarter; gate rate: mean `actor/sat_gate_rate` (SAT arms).",
+    ]
+    (out / "study.md").write_text("\n".join(text) + "\n")
+    (out / "study.json").write_text(json.dumps({"runs": stats, "cells": table}, indent=2, default=str))
+    by_name = {s.name: s for s in specs}
+    for key, label, name in (
+        (REWARD_KEY, "reward (mean over the step's samples)", "reward.png"),
+        (DBAR_PI_KEY, "dbar_pi = mean |log pi - log mu|", "dbar_pi.png"),
+        (GATE_RATE_KEY, "SAT gate rate", "gate_rate.png"),
+    ):
+        plot(out / name, {n: rows for n, rows in runs.items()}, by_name, key, label)
+    return table
 
 
-def optimizer_step_series(run: Run, key_fn: Any) -> Series:
-    """``key_fn(run)`` with verl global steps mapped to optimizer steps (the end of each global step)."""
-    return [(step * run.lag, value) for step, value in key_fn(run)]
+def smooth(values: Sequence[float], window: int) -> list[float]:
+    """Trailing moving average (the first points average what exists)."""
+    out, total = [], 0.0
+    for i, v in enumerate(values):
+        total += v
+        if i >= window:
+            total -= values[i - window]
+        out.append(total / min(i + 1, window))
+    return out
 
 
-def seed_band(series_list: Sequence[Series]) -> tuple[list[int], list[float], list[float]]:
-    """Steps, mean and std over the series that have each step."""
-    by_step: dict[int, list[float]] = {}
-    for series in series_list:
-        for step, value in series:
-            by_step.setdefault(step, []).append(value)
-    steps = sorted(by_step)
-    stats = [mean_std(by_step[s]) or (math.nan, 0.0) for s in steps]
-    return steps, [m for m, _ in stats], [s for _, s in stats]
+def plot(path: Path, runs: dict[str, list[dict]], specs: dict[str, Spec], key: str, label: str) -> Path | None:
+    """One panel per (mismatch, lag), one line per arm: seed mean of a 10-step moving average, min-max band."""
+    import matplotlib
 
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
 
-def plot_study(runs: Sequence[Run], key_fn: Any, ylabel: str, title: str, path: Path) -> Path:
-    """One panel per lag, one line per method (seed mean, ±1 std band), x = optimizer steps."""
-    from verl_sat.report import _colors, _pyplot, finish_lag_panel, save_panels
-
-    plt = _pyplot()
-    lags = sorted({r.lag for r in runs}) or [1]
-    methods = sorted({r.method for r in runs}, key=method_order)
-    colors = _colors(methods)
-    fig, axes = plt.subplots(1, len(lags), figsize=(5.5 * len(lags), 4), squeeze=False, sharey=True)
-    for ax, lag in zip(axes[0], lags, strict=True):
-        plotted = False
-        for method in methods:
-            series = [optimizer_step_series(r, key_fn) for r in runs if r.lag == lag and r.method == method]
-            steps, mean, std = seed_band([s for s in series if s])
-            if not steps:
-                continue
-            label = f"{method} (n={sum(1 for s in series if s)})"
-            ax.plot(steps, mean, marker="o" if len(steps) < 4 else None, color=colors[method], label=label, lw=1.4)
-            low = [m - s for m, s in zip(mean, std, strict=True)]
-            high = [m + s for m, s in zip(mean, std, strict=True)]
-            ax.fill_between(steps, low, high, color=colors[method], alpha=0.2)
-            plotted = True
-        finish_lag_panel(ax, lag, plotted, "optimizer step")
-        ax.set_xlim(left=0)
-    return save_panels(fig, axes, ylabel, title, path)
-
-
-def plot_staleness_profile(cells: Sequence[CellSummary], path: Path) -> Path | None:
-    """dbar_pi against per-sample staleness, one panel per lag > 1, one line per method (±1 std)."""
-    from verl_sat.report import _colors, _pyplot, finish_lag_panel, save_panels
-
-    rows = [c for c in cells if c.lag > 1 and c.by_staleness]
-    if not rows:
+    panels = sorted({(specs[n].tag, specs[n].lag) for n in runs}, key=lambda p: (p[0], -p[1]))
+    if not panels or not any(key in r for rows in runs.values() for r in rows):
         return None
-    plt = _pyplot()
-    lags = sorted({c.lag for c in rows})
-    colors = _colors([c.method for c in rows])
-    fig, axes = plt.subplots(1, len(lags), figsize=(5.5 * len(lags), 4), squeeze=False, sharey=True)
-    for ax, lag in zip(axes[0], lags, strict=True):
-        for c in sorted((c for c in rows if c.lag == lag), key=lambda c: method_order(c.method)):
-            levels = sorted(c.by_staleness)
-            mean = [c.by_staleness[k][0] for k in levels]
-            std = [c.by_staleness[k][1] for k in levels]
-            ax.plot(levels, mean, marker="o", ms=3, color=colors[c.method], label=f"{c.method} (n={c.seeds})", lw=1.4)
-            low = [m - d for m, d in zip(mean, std, strict=True)]
-            ax.fill_between(
-                levels, low, [m + d for m, d in zip(mean, std, strict=True)], color=colors[c.method], alpha=0.15
-            )
-        finish_lag_panel(ax, lag, True, "staleness s (optimizer steps)")
-    return save_panels(
-        fig, axes, "dbar_pi among tokens of staleness s", "Mismatch by staleness (seed mean ± std)", path
-    )
-
-
-def write_summary(out: Path, title: str = "Staleness study") -> list[CellSummary]:
-    """study.md, study.json, reward.png, dbar_pi.png and (lag > 1) dbar_pi_by_staleness.png from ``out``."""
-    runs, stats = load_study(out)
-    cells = summarize(stats)
-    text = format_study(cells, title)
-    (out / "study.md").write_text(text)
-    (out / "study.json").write_text(
-        json.dumps({"runs": [asdict(s) for s in stats], "cells": [asdict(c) for c in cells]}, indent=1) + "\n"
-    )
-    plot_study(runs, reward_series, "mean reward", "Training reward (seed mean ± std)", out / "reward.png")
-    plot_study(
-        runs, lambda r: r.series(DBAR_PI_KEY), "dbar_pi = mean |log pi/mu|", "Mismatch (seed mean ± std)",
-        out / "dbar_pi.png",
-    )  # fmt: skip
-    plot_staleness_profile(cells, out / "dbar_pi_by_staleness.png")
-    print(text, flush=True)
-    return cells
+    fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4), squeeze=False)
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    styles = {arm: (colors[i % len(colors)], "-" if i < len(colors) else "--") for i, arm in enumerate(ARMS)}
+    for ax, (tag, lag) in zip(axes[0], panels, strict=True):
+        for arm in ARMS:
+            curves = [
+                smooth([r.get(key, math.nan) for r in rows], 10)
+                for n, rows in runs.items()
+                if specs[n].arm == arm and specs[n].lag == lag and specs[n].tag == tag
+            ]
+            if not curves or all(math.isnan(v) for v in curves[0]):
+                continue
+            length = min(len(c) for c in curves)
+            steps = list(range(1, length + 1))
+            mean = [sum(c[i] for c in curves) / len(curves) for i in range(length)]
+            color, style = styles[arm]
+            ax.plot(steps, mean, style, color=color, label=f"{arm} ({len(curves)})")
+            lo = [min(c[i] for c in curves) for i in range(length)]
+            hi = [max(c[i] for c in curves) for i in range(length)]
+            ax.fill_between(steps, lo, hi, color=color, alpha=0.12)
+        ax.set_title(f"lag {lag}" + (f", mismatch {tag}" if tag else ""))
+        ax.set_xlabel("optimizer step")
+        ax.set_ylabel(label)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
 
 
 # ---------------------------------------------------------------------------------------------
-# Command line
+# CLI
 # ---------------------------------------------------------------------------------------------
-
-
 def build_parser() -> argparse.ArgumentParser:
-    """The study's argument parser."""
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", type=Path, default=Path("runs/staleness_study"), help="study directory")
-    p.add_argument("--quick", action="store_true", help="gspo vs sat_gspo, lag 1 and 8, one seed, no R3")
-    p.add_argument("--dry-run", action="store_true", help="print the planned commands and the estimate only")
-    p.add_argument("--summarize-only", type=Path, metavar="DIR", help="rebuild table and plots from DIR")
-    p.add_argument("--noise", type=float, default=DEFAULT_NOISE, help="std of the rollout logit noise")
-    p.add_argument("--steps", type=int, default=None, help="optimizer steps per run (a multiple of every lag)")
-    p.add_argument("--seeds", type=int, nargs="+", default=None, help="seeds (full default: 1 2 3)")
-    p.add_argument("--methods", nargs="+", default=None, help=f"subset of {list(LOSSES)}")
-    p.add_argument("--no-r3", action="store_true", help="skip the R3 variants")
-    p.add_argument("--jobs", type=int, default=2, help="runs side by side (each starts its own Ray cluster)")
-    p.add_argument("--timeout-s", type=float, default=1200.0, help="per-run wall-clock limit")
-    p.add_argument("--startup-s", type=float, default=STARTUP_S, help="estimate: start-up seconds per run")
-    p.add_argument("--step-s", type=float, default=STEP_S, help="estimate: seconds per optimizer step")
-    p.add_argument("extra", nargs="*", help="further Hydra overrides for every run (e.g. sat.assets_dir=...)")
-    return p
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    mode = parser.add_mutually_exclusive_group()
+    mode.add_argument("--quick", action="store_true", help="one seed, fewer arms and steps (<= 10 min)")
+    mode.add_argument("--search", action="store_true", help="baselines only, over lags and mismatches")
+    mode.add_argument("--summarize-only", type=Path, metavar="DIR", help="rebuild table and figures from DIR")
+    parser.add_argument("--out", type=Path, default=Path("runs/study"))
+    parser.add_argument("--seeds", type=int, nargs="+", help="override the mode's seeds")
+    parser.add_argument("--steps", type=int, help="override the regime's optimizer steps per run")
+    parser.add_argument("--jobs", type=int, default=2, help="worker processes (2 cores: 2)")
+    parser.add_argument("--assets", type=Path, help="the default's assets (default: verl-sat's cache, built if absent)")
+    parser.add_argument("--dry-run", action="store_true", help="print the plan only")
+    return parser
 
 
-def specs_from_args(args: argparse.Namespace) -> list[RunSpec]:
-    """The planned runs for the parsed arguments."""
-    base = QUICK if args.quick else FULL
-    r3 = (False,) if args.no_r3 else base["r3"]
-    return plan(
-        args.methods or base["methods"],
-        r3,
-        base["lags"],
-        args.seeds or base["seeds"],
-        args.steps or base["steps"],
-        args.noise,
-    )
+def specs_from_args(args: argparse.Namespace) -> tuple[list[Spec], str]:
+    settings = dict(REGIME)
+    if args.quick:
+        settings["steps"] = QUICK["steps"]
+    if args.steps:
+        settings["steps"] = args.steps
+    if args.search:
+        specs = search_plan(args.seeds or SEARCH["seeds"])
+        if args.steps:
+            specs = [replace(s, settings=_with(s.settings, steps=args.steps)) for s in specs]
+        return specs, "Regime search: the baselines alone"
+    mode = QUICK if args.quick else FULL
+    title = "Staleness study (quick)" if args.quick else "Staleness study"
+    return plan(mode["arms"], args.seeds or mode["seeds"], settings), title
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point; returns the process exit code (1 when a non-R3 run failed)."""
     args = build_parser().parse_args(argv)
+    out = (args.summarize_only or args.out).resolve()
     if args.summarize_only:
-        write_summary(args.summarize_only, "Staleness study (quick)" if args.quick else "Staleness study")
+        specs = [Spec(**_spec_fields(json.loads(p.read_text()))) for p in sorted(out.glob("runs/*/study_spec.json"))]
+        table = summarize(out, specs, "Staleness study")
+        print("\n".join(format_table(table)))
         return 0
-    specs = specs_from_args(args)
-    out = args.out.resolve()
-    if args.jobs < 1:
-        raise SystemExit(f"--jobs must be >= 1, got {args.jobs}")
-    est = estimate_s(specs, args.startup_s, args.step_s, args.jobs)
-    print(
-        f"[study] {len(specs)} runs, {specs[0].steps} optimizer steps each, noise {args.noise}; estimate "
-        f"{est / 60:.1f} min ({args.startup_s:.0f} s start-up + {args.step_s:.1f} s/optimizer step per run, "
-        f"{args.jobs} at a time)"
-    )
-    if est / 60 > BUDGET_MIN:
-        print(f"[study] warning: above the {BUDGET_MIN:.0f} min budget; per-run start-up dominates (--no-r3 halves it)")
-    for spec in specs:
-        print(f"[study]   {spec.name}: {spec.global_steps} global steps x lag {spec.lag}")
+    specs, title = specs_from_args(args)
+    print(f"[study] {title}: {len(specs)} runs x {specs[0].config().steps} optimizer steps", flush=True)
     if args.dry_run:
         for spec in specs:
-            print(" ".join(command(spec, out, args.extra)))
+            print(spec.name, asdict(spec.config()))
         return 0
+    assets = args.assets or _default_assets()
     out.mkdir(parents=True, exist_ok=True)
+    for spec in specs:
+        run_dir = out / "runs" / spec.name
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "study_spec.json").write_text(json.dumps(asdict(spec), default=list))
+    print(f"[study] load average {os.getloadavg()[0]:.1f}; assets {assets}", flush=True)
     start = time.perf_counter()
-    with ThreadPoolExecutor(max_workers=args.jobs) as pool:  # each run is its own subprocess
-        records = list(pool.map(lambda spec: run_one(spec, out, args.extra, args.timeout_s), specs))
+    timings = run_all(specs, out, assets, args.jobs)
     wall = time.perf_counter() - start
-    print(f"[study] {len(records)} runs in {wall / 60:.1f} min (estimate was {est / 60:.1f} min)", flush=True)
-    (out / "wall_time.json").write_text(json.dumps({"seconds": wall, "estimate_s": est}) + "\n")
-    write_summary(out, "Staleness study (quick)" if args.quick else "Staleness study")
-    return int(any(r["status"] == "failed" for r in records))
+    table = summarize(out, specs, title)
+    print("\n".join(format_table(table)))
+    if timings:
+        per_run = sorted(t["startup_s"] for t in timings)
+        print(
+            f"[study] {wall / 60:.1f} min wall for {len(timings)} runs; per-run start-up median "
+            f"{per_run[len(per_run) // 2]:.2f} s (verl's trainer: ~65 s); {out / 'study.md'}",
+            flush=True,
+        )
+    return 0
+
+
+def _with(settings: tuple[tuple[str, Any], ...], **changes: Any) -> tuple[tuple[str, Any], ...]:
+    return tuple(sorted({**dict(settings), **changes}.items()))
+
+
+def _spec_fields(raw: dict[str, Any]) -> dict[str, Any]:
+    raw["settings"] = tuple(tuple(kv) for kv in raw["settings"])
+    return raw
+
+
+def _default_assets() -> Path:
+    from verl_sat.main import build_assets_once, default_assets_dir
+
+    assets = default_assets_dir()
+    build_assets_once(assets)
+    return assets
 
 
 if __name__ == "__main__":

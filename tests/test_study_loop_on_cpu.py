@@ -125,3 +125,13 @@ def test_engine_options_take_the_bias_knobs_from_engine_kwargs():
     options = engine_options(config, 0)
     assert (options.logit_bias_std, options.router_bias_std) == (0.5, 1.5)
     assert isinstance(HFEngine, type)
+
+
+def test_a_run_is_a_function_of_its_config(model_and_tokenizer, varied_reward):
+    """Same config, same rows: a study's run can be rerun (or reused) exactly."""
+    first = run(model_and_tokenizer, steps=2, lag=2, lr=1e-2, logit_bias_std=0.3)
+    second = run(model_and_tokenizer, steps=2, lag=2, lr=1e-2, logit_bias_std=0.3)
+    drop = ("timing_s/gen", "timing_s/step")
+    assert [{k: v for k, v in r.items() if k not in drop} for r in first] == [
+        {k: v for k, v in r.items() if k not in drop} for r in second
+    ]

@@ -1,4 +1,4 @@
-"""benchmarks/staleness_study.py without the trainer: planned commands, table and plots.
+"""benchmarks/trainer_staleness_study.py without the trainer: planned commands, table and plots.
 
 The table and figures are built from synthetic run directories (metrics.jsonl in verl's
 file-logger format, run.json and study_run.json as the study writes them).
@@ -19,9 +19,10 @@ REPO = Path(__file__).resolve().parents[1]
 @pytest.fixture(scope="module")
 def study():
     """The benchmark script as a module."""
-    spec = importlib.util.spec_from_file_location("staleness_study", REPO / "benchmarks" / "staleness_study.py")
+    path = REPO / "benchmarks" / "trainer_staleness_study.py"
+    spec = importlib.util.spec_from_file_location("trainer_staleness_study", path)
     module = importlib.util.module_from_spec(spec)
-    sys.modules["staleness_study"] = module
+    sys.modules["trainer_staleness_study"] = module
     spec.loader.exec_module(module)
     return module
 
