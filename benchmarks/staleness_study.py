@@ -56,6 +56,14 @@ ARMS: dict[str, dict[str, Any]] = {
     "sat_gspo_r3": {"loss_mode": "sat_gspo", "routing_replay": "R3"},
 }
 BASELINES = ("grpo", "gspo")
+# (arm, its reference): the per-seed differences study.md reports
+PAIRS = (
+    ("sat_grpo", "grpo"),
+    ("sat_gspo", "gspo"),
+    ("grpo_tis", "grpo"),
+    ("dppo_tv", "grpo"),
+    ("sat_gspo_r3", "gspo_r3"),
+)
 
 # The stress regime, chosen from --search's baselines alone (docs/study.md, "The regime").
 REGIME: dict[str, Any] = {
@@ -234,6 +242,40 @@ def cells(stats: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
+def paired_differences(stats: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per (lag, arm - reference) in PAIRS: mean over shared seeds of the difference in final
+    reward and in last-quarter dbar_pi, with 95% bootstrap intervals (the seed fixes data order
+    and sampling, so seed k of both arms starts from the same place)."""
+    by_key = {(s["tag"], s["lag"], s["arm"], s["seed"]): s for s in stats}
+    out = []
+    for tag, lag in sorted({(s["tag"], s["lag"]) for s in stats}, key=lambda t: (t[0], -t[1])):
+        for arm, ref in PAIRS:
+            seeds = sorted(k[3] for k in by_key if k[:3] == (tag, lag, arm) and (tag, lag, ref, k[3]) in by_key)
+            if not seeds:
+                continue
+            row: dict[str, Any] = {"tag": tag, "lag": lag, "arm": arm, "reference": ref, "seeds": len(seeds)}
+            for key in ("final_reward", "dbar_pi_final"):
+                diffs = [by_key[(tag, lag, arm, k)][key] - by_key[(tag, lag, ref, k)][key] for k in seeds]
+                row[key] = sum(diffs) / len(diffs)
+                row[f"{key}_ci"] = bootstrap_ci(diffs)
+            out.append(row)
+    return out
+
+
+def format_differences(rows: Sequence[dict[str, Any]]) -> list[str]:
+    lines = [
+        "| mismatch | lag | arm - reference | seeds | final reward difference [95% CI] | dbar_pi difference [95% CI] |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        (flo, fhi), (dlo, dhi) = r["final_reward_ci"], r["dbar_pi_final_ci"]
+        lines.append(
+            f"| {r['tag'] or '-'} | {r['lag']} | {r['arm']} - {r['reference']} | {r['seeds']} | "
+            f"{r['final_reward']:+.3f} [{flo:+.3f}, {fhi:+.3f}] | {r['dbar_pi_final']:+.4f} [{dlo:+.4f}, {dhi:+.4f}] |"
+        )
+    return lines
+
+
 def _ci(cell: dict[str, Any], key: str, spec: str = ".3f") -> str:
     if cell[key] is None:
         return "–"
@@ -264,7 +306,10 @@ def summarize(out: Path, specs: Sequence[Spec], title: str) -> list[dict[str, An
     table = cells(stats)
     regime = ", ".join(f"{k}={v}" for k, v in sorted(dict(specs[0].settings).items())) if specs else ""
     sentinel = cpu_sentinel_config()
+    differences = paired_differences(stats)
     text = [f"# {title}", "", f"Settings: {regime}.", "", *format_table(table), ""]
+    if differences:
+        text += ["Per-seed differences (seed k of both arms):", "", *format_differences(differences), ""]
     text += [
         "final reward: mean `critic/score/mean` over the last 25% of optimizer steps; best: its maximum.",
         "[95% CI]: percentile bootstrap of the mean over seeds. collapsed: seeds in which the CPU default's "
@@ -273,7 +318,8 @@ def summarize(out: Path, specs: Sequence[Spec], title: str) -> list[dict[str, An
         "dbar_pi: mean |log pi - log mu| over the last quarter; gate rate: mean `actor/sat_gate_rate` (SAT arms).",
     ]
     (out / "study.md").write_text("\n".join(text) + "\n")
-    (out / "study.json").write_text(json.dumps({"runs": stats, "cells": table}, indent=2, default=str))
+    results = {"runs": stats, "cells": table, "differences": differences}
+    (out / "study.json").write_text(json.dumps(results, indent=2, default=str))
     by_name = {s.name: s for s in specs}
     for key, label, name in (
         (REWARD_KEY, "reward (mean over the step's samples)", "reward.png"),

@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from verl_sat.study_stats import final_mean
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -83,6 +85,10 @@ def test_summary_counts_collapses_and_gives_intervals(study, tmp_path):
     assert table["sat_gspo"]["gate_rate"] == pytest.approx(0.1) and table["gspo"]["gate_rate"] is None
     text = (tmp_path / "study.md").read_text()
     assert "| - | 16 | gspo | 2 |" in text and "2/2" in text
+    (diff,) = study.paired_differences(json.loads((tmp_path / "study.json").read_text())["runs"])
+    assert (diff["arm"], diff["reference"], diff["seeds"]) == ("sat_gspo", "gspo", 2)
+    assert diff["final_reward"] == pytest.approx(final_mean(steady) - 0.05)
+    assert "sat_gspo - gspo | 2 | +" in text
     for name in ("reward.png", "dbar_pi.png", "gate_rate.png"):
         assert (tmp_path / name).stat().st_size > 1000
     assert study.main(["--summarize-only", str(tmp_path)]) == 0
