@@ -33,7 +33,7 @@ from multiprocessing import get_context
 from pathlib import Path
 from typing import Any
 
-from verl_sat.study_loop import METRICS_FILE, LoopConfig
+from verl_sat.study_loop import METRICS_FILE, LoopConfig, run_in_worker, worker_init
 from verl_sat.study_stats import bootstrap_ci, cpu_sentinel_config, final_mean, replay_sentinel
 
 # arm -> LoopConfig fields. Baselines run the SAT losses with sat_enabled=false: verl's own
@@ -143,28 +143,6 @@ def search_plan(seeds: Sequence[int] = SEARCH["seeds"]) -> list[Spec]:
 # ---------------------------------------------------------------------------------------------
 # Running: worker processes that import and load once, then run many specs
 # ---------------------------------------------------------------------------------------------
-_ASSETS: Any = None
-
-
-def _worker_init(assets_dir: str) -> None:
-    global _ASSETS
-    import verl_sat  # noqa: F401  (registers the SAT losses)
-    from verl_sat.study_loop import load_assets
-
-    _ASSETS = load_assets(assets_dir)
-
-
-def _run_spec(spec: Spec, out: str) -> dict[str, Any]:
-    from verl_sat.study_loop import StudyLoop
-
-    run_dir = Path(out) / "runs" / spec.name
-    start = time.perf_counter()
-    loop = StudyLoop(spec.config(), *_ASSETS)
-    startup = time.perf_counter() - start
-    loop.run(run_dir, method=spec.arm)
-    return {"name": spec.name, "startup_s": startup, "run_s": time.perf_counter() - start}
-
-
 def run_all(specs: Sequence[Spec], out: Path, assets_dir: Path, jobs: int) -> list[dict[str, Any]]:
     """Run ``specs`` on ``jobs`` worker processes (skipping runs already complete in ``out``)."""
     todo = [s for s in specs if not _complete(out / "runs" / s.name, s.config().steps)]
@@ -174,8 +152,9 @@ def run_all(specs: Sequence[Spec], out: Path, assets_dir: Path, jobs: int) -> li
     start = time.perf_counter()
     ctx = get_context("spawn")
     timings = []
-    with ProcessPoolExecutor(jobs, mp_context=ctx, initializer=_worker_init, initargs=(str(assets_dir),)) as pool:
-        futures = [pool.submit(_run_spec, spec, str(out)) for spec in todo]
+    pool = ProcessPoolExecutor(jobs, mp_context=ctx, initializer=worker_init, initargs=(str(assets_dir),))
+    with pool:
+        futures = [pool.submit(run_in_worker, spec.config(), str(out / "runs" / spec.name), spec.arm) for spec in todo]
         for i, future in enumerate(futures, 1):
             result = future.result()
             timings.append(result)

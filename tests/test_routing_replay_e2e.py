@@ -4,13 +4,14 @@ Both tests perturb the rollout's *routing* (``engine_kwargs.hf.router_noise_std`
 from noisy router logits, weights from the clean ones), so the trainer, routing on its own,
 computes other experts than the rollout did. With ``sat.routing_replay=R3`` the trainer reuses
 the rollout's experts and ``actor/mismatch_abs_mean`` (dbar_pi, measured against the rollout's
-log-probs) falls. Sync mode, lag 1: no staleness, so the mismatch is the rollout/trainer one.
+log-probs) falls. Lag 1 (R3 in sync, R2 in colocate_async, the one e2e run of that mode): no
+staleness beyond one step, so the mismatch is the rollout/trainer one.
 """
 
 from __future__ import annotations
 
 import pytest
-from test_main_e2e import assets, run_main  # noqa: F401  (the session fixture and the launcher)
+from test_main_e2e import assets, check_sat_run, run_main  # noqa: F401  (the session fixture and the launcher)
 
 pytestmark = pytest.mark.e2e
 
@@ -39,16 +40,23 @@ def test_r3_lowers_the_rollout_trainer_mismatch(assets, tmp_path):  # noqa: F811
 
 
 def test_r2_records_in_compute_log_prob_and_replays_in_the_update(assets, tmp_path):  # noqa: F811
-    """R2 (decoupled mode): the trainer's own routes of compute_log_prob, replayed in update_actor.
+    """R2 (decoupled mode) in colocate_async: the trainer's own routes of compute_log_prob, replayed
+    in update_actor; the run also stands for colocate_async's SAT metrics and staleness bound.
 
     The engine raises if an update micro-batch arrives without routes or a MoE layer is not
     replayed, so a finished run with both log lines is the end-to-end evidence. R2 does not touch
     the rollout's routing, so dbar_pi against mu stays at the routing-noise level.
     """
+    colocate_async = ("trainer.v1.trainer_mode=colocate_async", "sat.lag=1")
     rows, stdout = run_main(
-        assets, tmp_path / "r2", NOISE, *SYNC, "sat.routing_replay=R2", "algorithm.rollout_correction.bypass_mode=false"
+        assets,
+        tmp_path / "r2",
+        NOISE,
+        *colocate_async,
+        "sat.routing_replay=R2",
+        "algorithm.rollout_correction.bypass_mode=false",
     )
-    assert [r["step"] for r in rows] == [1, 2]
+    check_sat_run(rows, lag=1, bypass=False)
     assert "[verl-sat] routing replay R2: recording routes (forward only)" in stdout
     assert "[verl-sat] routing replay R2: replaying recorded routes" in stdout
     assert all(r["actor/sat_old_vs_rollout_logprob_gap"] > 0.0 for r in rows)  # the ratio is against the recomputation

@@ -342,5 +342,28 @@ class StudyLoop:
         return rows
 
 
+# -- worker processes of a multi-run study: import and load once, then run many configs -------
+_WORKER_ASSETS: tuple[Any, Any] | None = None
+
+
+def worker_init(assets_dir: str) -> None:
+    """A study worker's one start-up: import verl-sat (registering its losses) and load the assets."""
+    global _WORKER_ASSETS
+    import verl_sat  # noqa: F401
+
+    _WORKER_ASSETS = load_assets(assets_dir)
+
+
+def run_in_worker(cfg: LoopConfig, run_dir: str, method: str) -> dict[str, Any]:
+    """One run on the worker's loaded assets; returns its name, build time and wall time."""
+    if _WORKER_ASSETS is None:
+        raise RuntimeError("run_in_worker needs worker_init first (the pool's initializer)")
+    start = time.perf_counter()
+    loop = StudyLoop(cfg, *_WORKER_ASSETS)
+    startup = time.perf_counter() - start
+    loop.run(run_dir, method=method)
+    return {"name": Path(run_dir).name, "startup_s": startup, "run_s": time.perf_counter() - start}
+
+
 def _scalar(value: Any) -> bool:
     return isinstance(value, int | float) or (isinstance(value, torch.Tensor) and value.numel() == 1)
