@@ -353,7 +353,8 @@ def plot(path: Path, runs: dict[str, list[dict]], specs: dict[str, Spec], key: s
         ax.set_title(f"lag {lag}" + (f", mismatch {tag}" if tag else ""))
         ax.set_xlabel("optimizer step")
         ax.set_ylabel(label)
-        ax.legend(fontsize=7)
+        if ax.get_lines():
+            ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
