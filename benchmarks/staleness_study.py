@@ -33,6 +33,7 @@ from multiprocessing import get_context
 from pathlib import Path
 from typing import Any
 
+from verl_sat.main import read_metrics
 from verl_sat.study_loop import METRICS_FILE, LoopConfig, run_in_worker, worker_init
 from verl_sat.study_stats import bootstrap_ci, cpu_sentinel_config, final_mean, replay_sentinel
 
@@ -175,16 +176,10 @@ def _complete(run_dir: Path, steps: int) -> bool:
 # ---------------------------------------------------------------------------------------------
 # Summary
 # ---------------------------------------------------------------------------------------------
-def read_rows(run_dir: Path) -> list[dict[str, Any]]:
-    lines = (run_dir / METRICS_FILE).read_text().splitlines()
-    return [{"step": r["step"], **r["data"]} for r in map(json.loads, lines)]
-
-
 def run_stats(spec: Spec, rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """Final and best reward, collapse alarms (replayed sentinel), mean dbar_pi and gate rate of one run."""
     rewards = [r[REWARD_KEY] for r in rows]
     alarms, scored = replay_sentinel(rows, cpu_sentinel_config())
-    tail = rows[-max(1, math.ceil(0.25 * len(rows))) :]
     gate = [r[GATE_RATE_KEY] for r in rows if GATE_RATE_KEY in r and spec.arm.startswith("sat")]
     return {
         "name": spec.name,
@@ -197,7 +192,7 @@ def run_stats(spec: Spec, rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
         "collapsed": bool(alarms) if scored else None,
         "first_alarm": alarms[0] if alarms else None,
         "dbar_pi": sum(r[DBAR_PI_KEY] for r in rows) / len(rows),
-        "dbar_pi_final": sum(r[DBAR_PI_KEY] for r in tail) / len(tail),
+        "dbar_pi_final": final_mean([r[DBAR_PI_KEY] for r in rows]),
         "gate_rate": sum(gate) / len(gate) if gate else None,
     }
 
@@ -280,7 +275,8 @@ def format_table(table: Sequence[dict[str, Any]]) -> list[str]:
 
 def summarize(out: Path, specs: Sequence[Spec], title: str) -> list[dict[str, Any]]:
     """study.md, study.json and the figures from the run directories under ``out/runs``."""
-    runs = {s.name: read_rows(out / "runs" / s.name) for s in specs if (out / "runs" / s.name / METRICS_FILE).is_file()}
+    paths = {s.name: out / "runs" / s.name / METRICS_FILE for s in specs}
+    runs = {name: read_metrics(path) for name, path in paths.items() if path.is_file()}
     stats = [run_stats(s, runs[s.name]) for s in specs if s.name in runs]
     table = cells(stats)
     regime = ", ".join(f"{k}={v}" for k, v in sorted(dict(specs[0].settings).items())) if specs else ""

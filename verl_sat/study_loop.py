@@ -196,12 +196,13 @@ class StudyLoop:
         """``prompts_per_step`` fresh problems x ``rollout_n`` responses from the rollout (mu)."""
         from verl_sat.default import data as task
         from verl_sat.default.reward import compute_score
+        from verl_sat.default.warmup import prompt_ids
         from verl_sat.rollout.engine import GenerationRequest
         from verl_sat.rollout.sampling import SamplingParams
 
         cfg = self.cfg
         problems = [task.sample_problem(self.rng) for _ in range(cfg.prompts_per_step)]
-        prompts = [self._prompt_ids(task.make_prompt(p)) for p in problems]
+        prompts = [prompt_ids(self.tokenizer, p) for p in problems]
         params = SamplingParams(temperature=1.0, top_k=-1, top_p=1.0)
         requests = [
             GenerationRequest(prompt, params, cfg.max_response_length)
@@ -214,11 +215,6 @@ class StudyLoop:
         scores = torch.tensor([compute_score(None, t, a) for t, a in zip(texts, answers, strict=True)])
         index = np.repeat(np.arange(cfg.prompts_per_step), cfg.rollout_n)
         return self._pack([r.prompt_ids for r in requests], results, scores, index)
-
-    def _prompt_ids(self, text: str) -> list[int]:
-        chat = [{"role": "user", "content": text}]
-        rendered = self.tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
-        return self.tokenizer(rendered, add_special_tokens=False)["input_ids"]
 
     def _pack(self, prompts: list[list[int]], results: list[Any], scores: torch.Tensor, index: np.ndarray) -> Batch:
         width = max(len(p) + len(r.token_ids) for p, r in zip(prompts, results, strict=True))

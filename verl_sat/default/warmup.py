@@ -71,12 +71,17 @@ class WarmupArgs:
             raise ValueError(f"WarmupArgs.check_every must be >= 1, got {self.check_every}")
 
 
+def prompt_ids(tokenizer: Any, problem: task.Problem) -> list[int]:
+    """Token ids of the problem's chat prompt, generation prompt included (what the rollout sees)."""
+    messages = [{"role": "user", "content": task.make_prompt(problem)}]
+    return list(tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True)["input_ids"])
+
+
 def encode_example(tokenizer: Any, problem: task.Problem) -> tuple[list[int], int]:
     """Token ids of chat prompt + solution + EOS, and the prompt length."""
-    messages = [{"role": "user", "content": task.make_prompt(problem)}]
-    prompt_ids = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True)["input_ids"]
+    prompt = prompt_ids(tokenizer, problem)
     response_ids = tokenizer(problem.solution, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
-    return list(prompt_ids) + response_ids, len(prompt_ids)
+    return prompt + response_ids, len(prompt)
 
 
 def make_batch(tokenizer: Any, problems: list[task.Problem]) -> dict[str, Any]:
