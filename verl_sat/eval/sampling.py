@@ -2,272 +2,77 @@
 
 Two backends:
 
-- ``ServerBackend``: an OpenAI-compatible server (vLLM, SGLang, ...) by URL, ``/v1/completions``
-  or ``/v1/chat/completions``; one request per sample from a thread pool, retried with
-  exponential backoff on connection errors, timeouts, 429 and 5xx. Standard library only.
+- ``ServerBackend`` (``verl_sat.eval.server``): an OpenAI-compatible server (vLLM, SGLang, ...)
+  by URL, ``/v1/completions`` or ``/v1/chat/completions``; one request per sample, retried with
+  backoff and jitter on connection errors, timeouts, 429 and 5xx, failing fast once a request
+  fails for good. Standard library only.
 - ``HFBackend``: a local Hugging Face checkpoint directory, ``transformers`` ``generate`` on CPU
-  (or any torch device), batched, left-padded.
+  (or any torch device), batched, left-padded; each sample draws from its own seeded generator,
+  so a sample does not depend on the batch it was drawn in.
 
-``run_eval`` writes ``samples.jsonl`` (one line per sample) and ``summary.json`` (avg@k,
-pass@k for k = 1, 2, 4, ..., the per-problem table, the settings). Command line:
-``python -m verl_sat.eval --help``.
+``run_eval`` appends each sample to ``samples.jsonl`` as it completes (``verl_sat.eval.store``)
+and writes ``summary.json`` (avg@k, pass@k for k = 1, 2, 4, ..., the per-problem table, the
+settings) once every sample is drawn; ``resume=True`` draws only the missing ones. Command line:
+``python -m verl_sat.eval --help``; docs/eval.md.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Iterator, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor, as_completed
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 from verl_sat.eval.data import Problem, load_problems
+from verl_sat.eval.jobs import (
+    DEFAULT_INSTRUCTION,
+    Backend,
+    Completion,
+    Job,
+    SamplingConfig,
+    build_messages,
+    make_jobs,
+    render_prompt,
+)
 from verl_sat.eval.metrics import avg_at_k, pass_at_k, pass_at_k_per_problem
+from verl_sat.eval.server import RETRYABLE_HTTP, ContextLengthError, RetryPolicy, ServerBackend, ServerError, api_base
+from verl_sat.eval.store import SAMPLES, ResumeRefused, SampleLog, UnfinishedEvaluation, eval_settings
 from verl_sat.eval.verify import compute_score, extract_answer
 
-DEFAULT_INSTRUCTION = (
-    "Please reason step by step, and put your final answer within \\boxed{}. "
-    "The last line of your response should be of the form Answer: <answer>."
-)
 DEFAULT_DATASET = "HuggingFaceH4/aime_2024"
-RETRYABLE_HTTP = frozenset({408, 409, 425, 429, 500, 502, 503, 504})
+
+__all__ = [
+    "DEFAULT_INSTRUCTION",
+    "RETRYABLE_HTTP",
+    "Backend",
+    "Completion",
+    "ContextLengthError",
+    "EvalIncomplete",
+    "HFBackend",
+    "Job",
+    "ResumeRefused",
+    "RetryPolicy",
+    "SamplingConfig",
+    "ServerBackend",
+    "ServerError",
+    "UnfinishedEvaluation",
+    "api_base",
+    "append_metrics",
+    "build_messages",
+    "main",
+    "make_jobs",
+    "render_prompt",
+    "run_eval",
+]
 
 
-@dataclass(frozen=True)
-class SamplingConfig:
-    """Sampling settings (defaults: the paper's evaluation, SPEC §7).
-
-    Args:
-        k: samples per problem (paper: 16).
-        temperature: sampling temperature (paper: 1.0); 0 means greedy.
-        top_p: nucleus mass in (0, 1] (paper: 1.0).
-        top_k: top-k cut-off, -1 for none (paper: -1).
-        max_tokens: most new tokens per response (paper: 32768).
-        seed: base seed; sample ``j`` of problem ``i`` uses ``seed + i * k + j`` (None: unseeded).
-    """
-
-    k: int = 16
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    max_tokens: int = 32768
-    seed: int | None = 0
-
-    def __post_init__(self) -> None:
-        if self.k < 1:
-            raise ValueError(f"sampling.k must be >= 1, got {self.k}")
-        if self.temperature < 0:
-            raise ValueError(f"sampling.temperature must be >= 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"sampling.top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k != -1 and self.top_k < 1:
-            raise ValueError(f"sampling.top_k must be -1 (off) or >= 1, got {self.top_k}")
-        if self.max_tokens < 1:
-            raise ValueError(f"sampling.max_tokens must be >= 1, got {self.max_tokens}")
-
-
-@dataclass(frozen=True)
-class Job:
-    """One sample to draw: problem ``problem_index`` (in load order), sample ``sample_index``."""
-
-    problem_index: int
-    sample_index: int
-    messages: tuple[Mapping[str, str], ...]
-    seed: int | None
-
-
-@dataclass(frozen=True)
-class Completion:
-    """A generated response; ``finish_reason`` is ``"stop"`` or ``"length"`` (truncated)."""
-
-    text: str
-    finish_reason: str
-
-
-class Backend(Protocol):
-    """Draws completions; yields each job with its completion, in any order."""
-
-    def generate(self, jobs: Sequence[Job], cfg: SamplingConfig) -> Iterator[tuple[Job, Completion]]: ...
-
-    def describe(self) -> dict[str, Any]: ...
-
-
-# ---------------------------------------------------------------------------------------------
-# Prompts
-# ---------------------------------------------------------------------------------------------
-
-
-def build_messages(problem: Problem, instruction: str = DEFAULT_INSTRUCTION) -> tuple[dict[str, str], ...]:
-    """Chat messages for a problem: verl rows keep their own messages, others get question + instruction."""
-    if problem.messages is not None:
-        return tuple(dict(m) for m in problem.messages)
-    content = f"{problem.question}\n\n{instruction}" if instruction else problem.question
-    return ({"role": "user", "content": content},)
-
-
-def render_prompt(messages: Sequence[Mapping[str, str]], tokenizer: Any | None = None) -> str:
-    """Prompt text: the tokenizer's chat template when it has one, else the message contents joined."""
-    if tokenizer is not None and getattr(tokenizer, "chat_template", None):
-        return tokenizer.apply_chat_template([dict(m) for m in messages], tokenize=False, add_generation_prompt=True)
-    return "\n\n".join(m["content"] for m in messages) + "\n\n"
-
-
-def make_jobs(problems: Sequence[Problem], cfg: SamplingConfig, instruction: str = DEFAULT_INSTRUCTION) -> list[Job]:
-    """``k`` jobs per problem, each with its own seed (so seeded servers do not repeat a sample)."""
-    jobs = []
-    for i, problem in enumerate(problems):
-        messages = build_messages(problem, instruction)
-        for j in range(cfg.k):
-            seed = None if cfg.seed is None else cfg.seed + i * cfg.k + j
-            jobs.append(Job(i, j, messages, seed))
-    return jobs
-
-
-# ---------------------------------------------------------------------------------------------
-# OpenAI-compatible server
-# ---------------------------------------------------------------------------------------------
-
-
-class ServerError(RuntimeError):
-    """A request failed for good (a non-retryable status, or retries exhausted)."""
-
-
-def api_base(url: str) -> str:
-    """``http://host:port`` or ``http://host:port/v1[/]`` -> ``http://host:port/v1``."""
-    url = url.rstrip("/")
-    for suffix in ("/chat/completions", "/completions"):
-        if url.endswith(suffix):
-            url = url[: -len(suffix)]
-    return url if url.endswith("/v1") else url + "/v1"
-
-
-class ServerBackend:
-    """An OpenAI-compatible ``/v1/completions`` or ``/v1/chat/completions`` endpoint.
-
-    Args:
-        url: server address (``http://127.0.0.1:8000`` or ``.../v1``).
-        model: model name for the request; None asks ``GET /v1/models`` for the first one.
-        api: ``"completions"`` (prompt rendered here, with ``tokenizer``'s chat template if given)
-            or ``"chat"`` (the server applies its template).
-        tokenizer: a tokenizer (or a path to one) for rendering completions prompts.
-        concurrency: requests in flight.
-        max_retries: retries per request after the first try.
-        backoff_s: the first retry waits this long, then 2x, 4x, ... (capped at 60 s).
-        timeout_s: per-request timeout.
-        api_key: sent as ``Authorization: Bearer``; None reads ``OPENAI_API_KEY`` if set.
-    """
-
-    def __init__(
-        self,
-        url: str,
-        model: str | None = None,
-        api: str = "completions",
-        tokenizer: Any | None = None,
-        concurrency: int = 8,
-        max_retries: int = 5,
-        backoff_s: float = 1.0,
-        timeout_s: float = 3600.0,
-        api_key: str | None = None,
-    ) -> None:
-        if api not in ("completions", "chat"):
-            raise ValueError(f"api must be 'completions' or 'chat', got {api!r}")
-        if concurrency < 1 or max_retries < 0:
-            raise ValueError(f"need concurrency >= 1 and max_retries >= 0, got {concurrency}, {max_retries}")
-        self.base = api_base(url)
-        self.api = api
-        if isinstance(tokenizer, (str, Path)):
-            from transformers import AutoTokenizer
-
-            tokenizer = AutoTokenizer.from_pretrained(str(tokenizer), local_files_only=True)
-        self.tokenizer = tokenizer
-        self.concurrency = concurrency
-        self.max_retries = max_retries
-        self.backoff_s = backoff_s
-        self.timeout_s = timeout_s
-        self.api_key = api_key if api_key is not None else os.environ.get("OPENAI_API_KEY")
-        self.model = model or self._first_model()
-        self.retries_used = 0
-
-    def describe(self) -> dict[str, Any]:
-        return {"backend": "server", "url": self.base, "api": self.api, "model": self.model}
-
-    def _headers(self) -> dict[str, str]:
-        headers = {"Content-Type": "application/json"}
-        if self.api_key:
-            headers["Authorization"] = f"Bearer {self.api_key}"
-        return headers
-
-    def _request(self, path: str, payload: dict[str, Any] | None) -> dict[str, Any]:
-        """One HTTP call with retries; returns the decoded JSON body."""
-        url = f"{self.base}{path}"
-        data = None if payload is None else json.dumps(payload).encode()
-        last_error = ""
-        for attempt in range(self.max_retries + 1):
-            if attempt:
-                self.retries_used += 1
-                time.sleep(min(60.0, self.backoff_s * 2 ** (attempt - 1)))
-            request = urllib.request.Request(
-                url, data=data, headers=self._headers(), method="GET" if data is None else "POST"
-            )
-            try:
-                with urllib.request.urlopen(request, timeout=self.timeout_s) as response:
-                    return json.loads(response.read().decode("utf-8"))
-            except urllib.error.HTTPError as exc:
-                body = exc.read().decode("utf-8", "replace")[:300]
-                if exc.code not in RETRYABLE_HTTP:
-                    raise ServerError(f"{url}: HTTP {exc.code}: {body}") from exc
-                last_error = f"HTTP {exc.code}: {body}"
-            except (urllib.error.URLError, TimeoutError, ConnectionError, json.JSONDecodeError) as exc:
-                last_error = f"{type(exc).__name__}: {exc}"
-        raise ServerError(f"{url}: failed after {self.max_retries + 1} tries; last error {last_error}")
-
-    def _first_model(self) -> str:
-        models = self._request("/models", None).get("data") or []
-        if not models:
-            raise ServerError(f"{self.base}/models lists no model; pass the model name explicitly")
-        return str(models[0]["id"])
-
-    def _payload(self, job: Job, cfg: SamplingConfig) -> tuple[str, dict[str, Any]]:
-        payload: dict[str, Any] = {
-            "model": self.model,
-            "max_tokens": cfg.max_tokens,
-            "temperature": cfg.temperature,
-            "top_p": cfg.top_p,
-            "n": 1,
-        }
-        if cfg.top_k != -1:
-            payload["top_k"] = cfg.top_k  # a vLLM / SGLang extension; plain OpenAI rejects it
-        if job.seed is not None:
-            payload["seed"] = job.seed
-        if self.api == "chat":
-            payload["messages"] = [dict(m) for m in job.messages]
-            return "/chat/completions", payload
-        payload["prompt"] = render_prompt(job.messages, self.tokenizer)
-        return "/completions", payload
-
-    def complete(self, job: Job, cfg: SamplingConfig) -> Completion:
-        """One sample for one job."""
-        path, payload = self._payload(job, cfg)
-        body = self._request(path, payload)
-        try:
-            choice = body["choices"][0]
-            text = choice["message"]["content"] if self.api == "chat" else choice["text"]
-        except (KeyError, IndexError, TypeError) as exc:
-            raise ServerError(f"{self.base}{path}: unexpected response {str(body)[:300]}") from exc
-        return Completion(text or "", "length" if choice.get("finish_reason") == "length" else "stop")
-
-    def generate(self, jobs: Sequence[Job], cfg: SamplingConfig) -> Iterator[tuple[Job, Completion]]:
-        with ThreadPoolExecutor(max_workers=self.concurrency) as pool:
-            futures = {pool.submit(self.complete, job, cfg): job for job in jobs}
-            for future in as_completed(futures):
-                yield futures[future], future.result()
+class EvalIncomplete(RuntimeError):
+    """The backend failed for good; the samples drawn so far are kept. One line: what failed, how
+    many samples were drawn, where they are, and that ``--resume`` continues."""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -277,6 +82,11 @@ class ServerBackend:
 
 class HFBackend:
     """A local HF checkpoint directory sampled with ``transformers`` ``generate`` (batched, left-padded).
+
+    A seeded sample draws its tokens from its own ``torch.Generator`` seeded with the job's seed
+    (``per_sample_sampler``), so it is the same whichever batch it lands in: a resumed evaluation
+    equals an uninterrupted one (up to the floating-point effect of different padding on the
+    logits). Unseeded (``--seed -1``) runs sample with torch's global generator.
 
     Args:
         model_path: directory with the config, weights and tokenizer (nothing is downloaded).
@@ -293,8 +103,8 @@ class HFBackend:
         if not (path / "config.json").is_file():
             raise FileNotFoundError(f"not a Hugging Face checkpoint directory (no config.json): {path}")
         if batch_size < 1:
-            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-        self.path, self.batch_size, self.device = path, batch_size, device
+            raise ValueError(f"hf.batch_size must be >= 1, got {batch_size}")
+        self.path, self.batch_size, self.device, self.dtype = path, batch_size, device, dtype
         self.tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
         self.tokenizer.padding_side = "left"
         if self.tokenizer.pad_token is None:
@@ -305,16 +115,20 @@ class HFBackend:
     def describe(self) -> dict[str, Any]:
         return {"backend": "hf", "model_path": str(self.path), "device": self.device, "batch_size": self.batch_size}
 
-    def _generation_kwargs(self, cfg: SamplingConfig) -> dict[str, Any]:
-        kwargs: dict[str, Any] = {
-            "max_new_tokens": cfg.max_tokens,
-            "pad_token_id": self.tokenizer.pad_token_id,
-            "do_sample": cfg.temperature > 0,
-        }
-        if cfg.temperature > 0:
-            # HF's default top_k is 50; the paper samples the full support (top_k = -1 -> 0 here).
-            kwargs.update(temperature=cfg.temperature, top_p=cfg.top_p, top_k=0 if cfg.top_k == -1 else cfg.top_k)
-        return kwargs
+    def identity(self) -> dict[str, Any]:
+        """What a resumed evaluation must share with this one (batch size and device may change)."""
+        return {"backend": "hf", "model": str(self.path.resolve()), "dtype": self.dtype}
+
+    def _generation_kwargs(self, cfg: SamplingConfig, seeds: Sequence[int | None]) -> dict[str, Any]:
+        kwargs: dict[str, Any] = {"max_new_tokens": cfg.max_tokens, "pad_token_id": self.tokenizer.pad_token_id}
+        if cfg.temperature == 0:
+            return {**kwargs, "do_sample": False}
+        if all(seed is not None for seed in seeds):
+            # greedy over logits that the sampler has reduced to the one token it drew per row
+            return {**kwargs, "do_sample": False, "logits_processor": [per_sample_sampler(seeds, cfg)]}
+        # HF's default top_k is 50; the paper samples the full support (top_k = -1 -> 0 here).
+        top_k = 0 if cfg.top_k == -1 else cfg.top_k
+        return {**kwargs, "do_sample": True, "temperature": cfg.temperature, "top_p": cfg.top_p, "top_k": top_k}
 
     def generate(self, jobs: Sequence[Job], cfg: SamplingConfig) -> Iterator[tuple[Job, Completion]]:
         import torch
@@ -326,16 +140,46 @@ class HFBackend:
             prompts = [render_prompt(job.messages, self.tokenizer) for job in batch]
             enc = self.tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=not has_template)
             enc = {name: tensor.to(self.device) for name, tensor in enc.items()}
-            if batch[0].seed is not None:
-                torch.manual_seed(batch[0].seed)
             with torch.no_grad():
-                out = self.model.generate(**enc, **self._generation_kwargs(cfg))
+                out = self.model.generate(**enc, **self._generation_kwargs(cfg, [job.seed for job in batch]))
             new_tokens = out[:, enc["input_ids"].shape[1] :]  # (B, T_new)
             for job, tokens in zip(batch, new_tokens, strict=True):
                 ids = tokens.tolist()
                 stopped = any(t in eos_ids for t in ids)
                 text = self.tokenizer.decode(ids, skip_special_tokens=True)
                 yield job, Completion(text, "stop" if stopped or len(ids) < cfg.max_tokens else "length")
+
+
+def per_sample_sampler(seeds: Sequence[int], cfg: SamplingConfig) -> Any:
+    """A ``transformers`` logits processor that samples row ``r`` with its own generator seeded
+    ``seeds[r]`` (temperature, then top-k, then top-p, as HF orders its warpers) and leaves only
+    the drawn token finite, so that greedy decoding emits it. Row ``r``'s t-th token uses its
+    generator's t-th draw, whatever the other rows do."""
+    import torch
+    from transformers import LogitsProcessor
+
+    class PerSampleSampler(LogitsProcessor):
+        def __init__(self) -> None:
+            self.generators = [torch.Generator().manual_seed(int(seed)) for seed in seeds]
+
+        def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+            logits = scores.float() / cfg.temperature  # (B, V)
+            if cfg.top_k != -1 and cfg.top_k < logits.shape[-1]:
+                kth = torch.topk(logits, cfg.top_k, dim=-1).values[:, -1:]
+                logits = logits.masked_fill(logits < kth, float("-inf"))
+            if cfg.top_p < 1.0:
+                probs_sorted, order = torch.softmax(logits, dim=-1).sort(dim=-1, descending=True)
+                before = probs_sorted.cumsum(dim=-1) - probs_sorted  # mass of the tokens ranked above
+                drop_sorted = before >= cfg.top_p  # HF keeps the smallest set with mass >= top_p
+                logits = logits.masked_fill(drop_sorted.scatter(-1, order, drop_sorted), float("-inf"))
+            probs = torch.softmax(logits, dim=-1).cpu()
+            picks = torch.stack(
+                [torch.multinomial(p, 1, generator=g) for p, g in zip(probs, self.generators, strict=True)]
+            )
+            out = torch.full_like(scores, float("-inf"))
+            return out.scatter(-1, picks.to(scores.device), 0.0)
+
+    return PerSampleSampler()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -346,14 +190,14 @@ class HFBackend:
 class Progress:
     """tqdm when installed, else a counter printed to stderr about every 5%."""
 
-    def __init__(self, total: int, desc: str = "sampling", enabled: bool = True) -> None:
-        self.total, self.count, self.desc, self.enabled = total, 0, desc, enabled
+    def __init__(self, total: int, desc: str = "sampling", enabled: bool = True, initial: int = 0) -> None:
+        self.total, self.count, self.desc, self.enabled = total, initial, desc, enabled
         self._bar = None
         if enabled:
             try:
                 from tqdm import tqdm
 
-                self._bar = tqdm(total=total, desc=desc, file=sys.stderr)
+                self._bar = tqdm(total=total, desc=desc, file=sys.stderr, initial=initial)
             except ImportError:
                 self._bar = None
         self._every = max(1, total // 20)
@@ -425,6 +269,26 @@ def format_table(summary: Mapping[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def identity_of(backend: Backend) -> dict[str, Any]:
+    """``backend.identity()`` when it has one (the model a resumed evaluation must share), else its kind."""
+    identity = getattr(backend, "identity", None)
+    return dict(identity()) if callable(identity) else {"backend": backend.describe().get("backend")}
+
+
+def score_sample(problem: Problem, job: Job, completion: Completion, dataset: str) -> dict[str, Any]:
+    """One ``samples.jsonl`` record, scored by ``compute_score`` (the training reward)."""
+    return {
+        "problem_id": problem.id,
+        "sample_index": job.sample_index,
+        "seed": job.seed,
+        "response": completion.text,
+        "extracted_answer": extract_answer(completion.text),
+        "ground_truth": problem.answer,
+        "correct": compute_score(dataset, completion.text, problem.answer) == 1.0,
+        "finish_reason": completion.finish_reason,
+    }
+
+
 def run_eval(
     problems: Sequence[Problem],
     backend: Backend,
@@ -434,50 +298,57 @@ def run_eval(
     dataset: str = "aime24",
     progress: bool = True,
     source: str | None = None,
+    resume: bool = False,
 ) -> dict[str, Any]:
     """Sample ``cfg.k`` responses per problem, verify them, write ``samples.jsonl`` and ``summary.json``.
 
     Each sample is scored by ``compute_score``, the function the paper recipe trains and validates
-    with (``reward.custom_reward_function``), in the calling thread.
+    with (``reward.custom_reward_function``), in the calling thread, and appended to
+    ``out_dir/samples.jsonl`` at once (``verl_sat.eval.store``). ``summary.json`` is written only
+    once every (problem, sample) pair is drawn. With ``resume``, the samples already in
+    ``out_dir`` are checked against this run's settings and only the missing pairs are drawn.
+
     Returns the summary dict (also written to ``out_dir/summary.json``).
+
+    Raises:
+        EvalIncomplete: the backend failed for good (``ServerError``); the message says how many
+            samples were drawn and kept.
+        ResumeRefused: ``resume`` and the kept samples were drawn with other settings.
+        UnfinishedEvaluation: not ``resume``, and ``out_dir`` holds an unfinished evaluation.
     """
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    jobs = make_jobs(problems, cfg, instruction)
-    records: list[dict[str, Any]] = []
-    bar = Progress(len(jobs), desc=f"{dataset} k={cfg.k}", enabled=progress)
-    n_correct = 0
+    log = SampleLog(out_dir)
+    settings = eval_settings(problems, cfg, instruction, identity_of(backend))
+    kept = log.open(settings, resume, problems, cfg)
+    records = list(kept.values())
+    jobs = make_jobs(problems, cfg, instruction, skip=frozenset(kept))
+    total = len(problems) * cfg.k
+    n_correct = sum(bool(r["correct"]) for r in records)
+    bar = Progress(total, desc=f"{dataset} k={cfg.k}", enabled=progress, initial=len(records))
     started = time.time()
     try:
-        for job, completion in backend.generate(jobs, cfg):
-            problem = problems[job.problem_index]
-            correct = compute_score(dataset, completion.text, problem.answer) == 1.0  # the training reward
-            n_correct += correct
-            records.append(
-                {
-                    "problem_id": problem.id,
-                    "sample_index": job.sample_index,
-                    "response": completion.text,
-                    "extracted_answer": extract_answer(completion.text),
-                    "ground_truth": problem.answer,
-                    "correct": correct,
-                    "finish_reason": completion.finish_reason,
-                }
-            )
+        for job, completion in backend.generate(jobs, cfg) if jobs else ():
+            record = score_sample(problems[job.problem_index], job, completion, dataset)
+            log.append(record)
+            records.append(record)
+            n_correct += record["correct"]
             bar.update(n_correct)
+    except ServerError as exc:
+        raise EvalIncomplete(
+            f"{exc}; {len(records)} of {total} samples drawn ({len(records) - len(kept)} in this run), kept in "
+            f"{log.path}: rerun with --resume to draw only the missing ones"
+        ) from exc
     finally:
         bar.close()
+        log.close()
     order = {p.id: i for i, p in enumerate(problems)}
     records.sort(key=lambda r: (order[r["problem_id"]], r["sample_index"]))
-    with (out / "samples.jsonl").open("w", encoding="utf-8") as fh:
-        for record in records:
-            fh.write(json.dumps(record, ensure_ascii=False) + "\n")
     summary = {"dataset": dataset, "source": source, **summarize(problems, records, cfg.k)}
     summary["sampling"] = asdict(cfg)
     summary["backend"] = backend.describe()
     summary["instruction"] = instruction
     summary["wall_s"] = round(time.time() - started, 3)
-    (out / "summary.json").write_text(json.dumps(summary, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+    summary["resumed_from"] = len(kept) if resume else None
+    log.finish(records, summary)
     return summary
 
 
@@ -512,7 +383,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--subset", default=None, help="hub configuration name")
     p.add_argument("--limit", type=int, default=None, help="evaluate only the first N problems")
     p.add_argument("--name", default="aime24", help="dataset name used in outputs and metric keys")
-    p.add_argument("--out", required=True, help="output directory (samples.jsonl, summary.json)")
+    p.add_argument("--out", required=True, help="output directory (samples.jsonl, eval_config.json, summary.json)")
+    p.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue the evaluation in --out: check its settings, draw only the missing samples",
+    )
     p.add_argument("--k", type=int, default=16, help="samples per problem")
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--top-p", type=float, default=1.0)
@@ -524,9 +400,24 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--api", choices=("completions", "chat"), default="completions", help="[server] endpoint")
     p.add_argument("--tokenizer", default=None, help="[server] tokenizer dir for the completions chat template")
     p.add_argument("--concurrency", type=int, default=16, help="[server] requests in flight")
-    p.add_argument("--max-retries", type=int, default=5, help="[server] retries per request")
-    p.add_argument("--backoff", type=float, default=1.0, help="[server] first retry delay, doubled each retry")
-    p.add_argument("--request-timeout", type=float, default=3600.0, help="[server] seconds per request")
+    p.add_argument(
+        "--max-retries",
+        type=int,
+        default=5,
+        help="[server] retries per request (connection errors, 408/409/425/429, 5xx)",
+    )
+    p.add_argument(
+        "--backoff",
+        type=float,
+        default=1.0,
+        help="[server] first retry delay in s, doubled each retry (<= 60 s, jittered)",
+    )
+    p.add_argument(
+        "--request-timeout",
+        type=float,
+        default=None,
+        help="[server] seconds per request (default: 60 + max_tokens / 10, a whole generation at 10 tokens/s)",
+    )
     p.add_argument("--batch-size", type=int, default=8, help="[hf] sequences per generate call")
     p.add_argument("--device", default="cpu", help="[hf] torch device")
     p.add_argument("--dtype", default="float32", help="[hf] torch dtype")
@@ -536,8 +427,34 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def make_backend(args: argparse.Namespace) -> Backend:
+    """The backend the command line asks for."""
+    if args.server:
+        return ServerBackend(
+            args.server,
+            model=args.model,
+            api=args.api,
+            tokenizer=args.tokenizer,
+            concurrency=args.concurrency,
+            max_retries=args.max_retries,
+            backoff_s=args.backoff,
+            timeout_s=args.request_timeout,
+        )
+    return HFBackend(args.hf, batch_size=args.batch_size, device=args.device, dtype=args.dtype)
+
+
+def kept_count(out_dir: str | Path) -> int:
+    """Samples in ``out_dir/samples.jsonl`` (complete lines)."""
+    path = Path(out_dir) / SAMPLES
+    return path.read_bytes().count(b"\n") if path.is_file() else 0
+
+
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
-    """Entry point of ``python -m verl_sat.eval``; returns the summary."""
+    """Entry point of ``python -m verl_sat.eval``; returns the summary.
+
+    A failure that leaves samples behind (a dead server, a refused ``--resume``, Ctrl-C) exits
+    non-zero with one line on stderr, prefixed ``verl_sat.eval:``.
+    """
     args = build_parser().parse_args(argv)
     if args.log_to and args.step is None:
         raise SystemExit("--log-to needs --step (the training step of the evaluated checkpoint)")
@@ -550,23 +467,28 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         seed=None if args.seed == -1 else args.seed,
     )
     problems = load_problems(args.data, split=args.split, subset=args.subset, limit=args.limit)
-    backend: Backend
-    if args.server:
-        backend = ServerBackend(
-            args.server,
-            model=args.model,
-            api=args.api,
-            tokenizer=args.tokenizer,
-            concurrency=args.concurrency,
-            max_retries=args.max_retries,
-            backoff_s=args.backoff,
-            timeout_s=args.request_timeout,
+    try:
+        backend = make_backend(args)
+        summary = run_eval(
+            problems,
+            backend,
+            cfg,
+            args.out,
+            args.instruction,
+            args.name,
+            progress=not args.quiet,
+            source=args.data,
+            resume=args.resume,
         )
-    else:
-        backend = HFBackend(args.hf, batch_size=args.batch_size, device=args.device, dtype=args.dtype)
-    summary = run_eval(
-        problems, backend, cfg, args.out, args.instruction, args.name, progress=not args.quiet, source=args.data
-    )
+    except (EvalIncomplete, ServerError, ResumeRefused, UnfinishedEvaluation) as exc:
+        raise SystemExit(f"verl_sat.eval: {exc}") from None
+    except KeyboardInterrupt:
+        print(
+            f"verl_sat.eval: interrupted; {kept_count(args.out)} samples kept in {Path(args.out) / SAMPLES}: "
+            "rerun with --resume to draw only the missing ones",
+            file=sys.stderr,
+        )
+        raise SystemExit(130) from None
     print(format_table(summary))
     if args.log_to:
         append_metrics(args.log_to, args.step, summary)
