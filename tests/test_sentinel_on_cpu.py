@@ -3,18 +3,23 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from omegaconf import OmegaConf
+from transfer_queue import KVBatchMeta
+from verl.trainer.ppo.v1.trainer_base import PPOTrainer
 
 from verl_sat.actor import SATTrainerMixin
+from verl_sat.faults import EXIT_COLLAPSED, collapse_exit, write_tracker
 from verl_sat.paths import hydra_config_dir
 from verl_sat.schedule import SATRecipeConfig
 from verl_sat.sentinel import (
@@ -277,107 +282,198 @@ def test_rollback_target_is_the_newest_checkpoint_before_the_onset(tmp_path: Pat
 
 
 # ---------------------------------------------------------------------------------------------
-# the hook on verl's trainer (no Ray): a fake trainer and a replica of verl's fit loop
+# the hook on verl's real v1 fit loop (no Ray): verl's PPOTrainer.fit and _save_checkpoint run
+# unchanged; only the work of a step (rollout, training, reward) and TransferQueue are stubbed
 # ---------------------------------------------------------------------------------------------
-class FakeWorkerGroup:
-    def __init__(self) -> None:
+class StubWorkerGroup:
+    """The actor worker group: checkpoints hold the model's state, here whether it is poisoned."""
+
+    def __init__(self, trainer: StubTrainer) -> None:
+        self.trainer = trainer
         self.loaded: list[str] = []
 
-    def load_checkpoint(self, local_path: str, hdfs_path: str | None = None, del_local_after_load: bool = False):
+    def save_checkpoint(self, local_path: str, hdfs_path: Any = None, global_step: int = 0, max_ckpt_to_keep=None):
+        Path(local_path).mkdir(parents=True, exist_ok=True)
+        (Path(local_path) / "model.json").write_text(json.dumps({"poisoned": self.trainer.poisoned}))
+
+    def load_checkpoint(self, local_path: str, hdfs_path: Any = None, del_local_after_load: bool = False):
         assert not del_local_after_load
         self.loaded.append(local_path)
+        self.trainer.poisoned = json.loads((Path(local_path) / "model.json").read_text())["poisoned"]
 
 
-class FakeVerlTrainer:
-    """What SATTrainerMixin's sentinel hook touches on verl's PPOTrainer."""
+class StubTQ:
+    """TransferQueue as verl's trainer calls it in these tests."""
 
-    def __init__(self, sentinel: dict[str, Any], rows: list[dict[str, float]], ckpt_dir: Path, save_freq: int = 0):
-        self.config = OmegaConf.create(
-            {"sat": {"sentinel": sentinel}, "trainer": {"default_local_dir": str(ckpt_dir), "save_freq": save_freq}}
-        )
-        self.rows, self.ckpt_dir = rows, ckpt_dir
-        self.total_training_steps = len(rows)
-        self.global_steps = 0
-        self.use_critic = False
-        self.actor_rollout_wg = FakeWorkerGroup()
-        self.logged: list[tuple[int, dict]] = []
-        self.synced: list[int] = []
+    def kv_clear(self, keys, partition_id):
+        return None
+
+    def kv_list(self, partition_id):
+        return {partition_id: {}}
+
+    def save_checkpoint(self, path, metadata=None):
+        Path(path).mkdir(parents=True, exist_ok=True)
+
+
+class StubTrainer(PPOTrainer):
+    """verl's ``PPOTrainer`` whose step is a metrics row: reward 0.5 + noise, minus 0.3 and with
+    dbar_pi x3 while the model is poisoned. ``transient``: the model is poisoned from step
+    ``fault`` on, until a checkpoint saved before it is reloaded; persistent: from ``fault`` on,
+    whatever the weights (a rollout-side fault)."""
+
+    def step(self, metrics: dict, timing_raw: dict) -> Any:
+        if self.global_steps == self.fault:
+            self.poisoned = True
+        self.lags.append(int(self.parameter_sync_step))
+        return KVBatchMeta(partition_id="train", keys=[], tags=[])
 
     def _compute_metrics(self, batch, metrics, timing_raw, global_steps, epoch):
-        metrics.update(self.rows[global_steps - 1])
+        collapsed = self.poisoned or (not self.transient and global_steps >= self.fault)
+        _, row = next(stream(global_steps, 1, onset=1 if collapsed else None, drop=0.3, spike=3.0))
+        metrics.update(row)
 
     def on_step_end(self):
         self.synced.append(self.global_steps)
 
-    def _save_checkpoint(self):
-        (self.ckpt_dir / f"global_step_{self.global_steps}" / "actor").mkdir(parents=True)
-
-    def fit(self) -> None:
-        """verl's PPOTrainer.fit loop, minus rollout and training (trainer_base.py)."""
-        self.global_steps += 1
-        while self.global_steps <= self.total_training_steps:
-            is_last_step = self.global_steps >= self.total_training_steps
-            metrics: dict = {}
-            save_freq = self.config.trainer.save_freq
-            if save_freq > 0 and (is_last_step or self.global_steps % save_freq == 0):
-                self._save_checkpoint()
-            self.on_step_end()
-            self._compute_metrics(None, metrics, {}, global_steps=self.global_steps, epoch=0)
-            self.logged.append((self.global_steps, metrics))
-            self.global_steps += 1
-            if is_last_step:
-                return
+    def on_sample_end(self):
+        return None
 
 
-class FakeSATTrainer(SATTrainerMixin, FakeVerlTrainer):
+class StubSATTrainer(SATTrainerMixin, StubTrainer):
     pass
 
 
-def collapse_rows(steps: int = 120, onset: int = 60) -> list[dict[str, float]]:
-    return [row for _, row in stream(8, steps, onset=onset, drop=0.3, spike=3.0)]
+def run_fit(
+    tmp_path: Path, monkeypatch, sentinel: dict, steps: int, fault: int, transient: bool, save_freq: int = 5
+) -> StubSATTrainer:
+    """verl's fit over ``steps`` global steps of StubSATTrainer (lag 2, separate_async)."""
+    from verl.trainer.ppo.v1 import trainer_base
+
+    monkeypatch.setattr(trainer_base, "tq", StubTQ())
+    monkeypatch.setenv("VERL_FILE_LOGGER_PATH", str(tmp_path / "metrics.jsonl"))
+    config = OmegaConf.create(
+        {
+            "sat": {"sentinel": {"enabled": True, **sentinel}, "run_dir": str(tmp_path)},
+            "trainer": {
+                "project_name": "p",
+                "experiment_name": "e",
+                "logger": ["file"],
+                "val_before_train": False,
+                "total_epochs": 1,
+                "save_freq": save_freq,
+                "test_freq": -1,
+                "default_local_dir": str(tmp_path / "checkpoints"),
+                "default_hdfs_dir": None,
+                "v1": {"trainer_mode": "sat_separate_async", "separate_async": {"parameter_sync_step": 2}},
+            },
+            "data": {"train_batch_size": 8},
+            "actor_rollout_ref": {"actor": {"ppo_mini_batch_size": 4, "checkpoint": {}}},
+            "global_profiler": {"steps": None, "profile_continuous_steps": False},
+            "skip": {},
+        }
+    )
+    trainer = object.__new__(StubSATTrainer)
+    trainer.config, trainer.trainer_mode, trainer.parameter_sync_step = config, "sat_separate_async", 2
+    trainer.global_steps, trainer.total_training_steps, trainer.steps_per_epoch = 0, steps, steps
+    trainer.use_critic, trainer.poisoned, trainer.transient, trainer.fault = False, False, transient, fault
+    trainer.synced, trainer.lags = [], []
+    trainer.actor_rollout_wg = StubWorkerGroup(trainer)
+    trainer.train_dataloader = mock.Mock(state_dict=lambda: {})
+    trainer.checkpoint_callback = mock.Mock()
+    trainer._init_dump_executor()
+    trainer.fit(agent_loop_manager=None)
+    return trainer
 
 
-def test_hook_off_by_default_adds_nothing(tmp_path: Path):
-    trainer = FakeSATTrainer({"enabled": False}, collapse_rows(), tmp_path)
-    trainer.fit()
-    assert len(trainer.logged) == 120
-    assert not any(k.startswith("sentinel/") for _, m in trainer.logged for k in m)
+def logged(tmp_path: Path) -> dict[int, dict]:
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["data"] for r in rows}
 
 
-def test_hook_log_adds_metrics_every_step_and_keeps_training(tmp_path: Path):
-    trainer = FakeSATTrainer({"enabled": True}, collapse_rows(), tmp_path)
-    trainer.fit()
-    assert len(trainer.logged) == 120 and all("sentinel/alarm" in m for _, m in trainer.logged)
-    alarms = [step for step, m in trainer.logged if m["sentinel/alarm"] == 1.0]
-    assert alarms[0] == 62 and "sentinel/mismatch_z" in trainer.logged[61][1]
+def test_hook_off_by_default_adds_nothing(tmp_path: Path, monkeypatch):
+    trainer = run_fit(tmp_path, monkeypatch, {"enabled": False}, steps=80, fault=60, transient=True)
+    rows = logged(tmp_path)
+    assert sorted(rows) == list(range(1, 81)) and trainer.global_steps == 81
+    assert not any(k.startswith("sentinel/") for m in rows.values() for k in m)
 
 
-def test_hook_stop_ends_verl_loop_after_the_alarm_step(tmp_path: Path, capsys):
-    trainer = FakeSATTrainer({"enabled": True, "action": "stop"}, collapse_rows(), tmp_path)
-    trainer.fit()
-    step, metrics = trainer.logged[-1]
-    assert step == 62 and trainer.total_training_steps == 62
-    assert metrics["sentinel/alarm"] == 1.0 and metrics["sentinel/stop"] == 1.0
+def test_hook_log_adds_metrics_every_step_and_keeps_training(tmp_path: Path, monkeypatch):
+    run_fit(tmp_path, monkeypatch, {}, steps=80, fault=60, transient=False)
+    rows = logged(tmp_path)
+    assert sorted(rows) == list(range(1, 81)) and all("sentinel/alarm" in m for m in rows.values())
+    alarms = [s for s, m in rows.items() if m["sentinel/alarm"] == 1.0]
+    assert alarms[0] == 62 and "sentinel/mismatch_z" in rows[62]
+    record = json.loads((tmp_path / "sentinel.json").read_text())
+    # log mode, reward still down at the last step: the alarm stands, the run is a collapse
+    assert record["verdict"]["collapsed"] and "still stands at the last step 80" in record["verdict"]["why"]
+    assert collapse_exit(record)[0] == EXIT_COLLAPSED
+
+
+def test_hook_stop_ends_verls_loop_after_the_alarm_step_as_a_collapse(tmp_path: Path, monkeypatch, capsys):
+    trainer = run_fit(tmp_path, monkeypatch, {"action": "stop"}, steps=120, fault=60, transient=False)
+    rows = logged(tmp_path)
+    assert max(rows) == 62 and trainer.total_training_steps == 62
+    assert rows[62]["sentinel/alarm"] == 1.0 and rows[62]["sentinel/stop"] == 1.0
     assert "stopping after step 62" in capsys.readouterr().out
+    status, line = collapse_exit(json.loads((tmp_path / "sentinel.json").read_text()))
+    assert status == EXIT_COLLAPSED and "stopped training after step 62" in line
 
 
-def test_hook_rollback_reloads_checkpoint_before_weight_sync(tmp_path: Path):
-    config = {"enabled": True, "action": "rollback", "max_rollbacks": 1}
-    trainer = FakeSATTrainer(config, collapse_rows(), tmp_path, save_freq=5)
-    trainer.fit()
-    logged = dict(trainer.logged)
-    # alarm at 62 (onset 60): newest checkpoint k <= 60 - 2 is 55, reloaded in step 63's on_step_end
-    assert logged[62]["sentinel/rollback_target"] == 55.0
-    assert trainer.actor_rollout_wg.loaded == [str(tmp_path / "global_step_55" / "actor")]
-    assert logged[63]["sentinel/rollbacks"] == 1.0 and logged[63]["sentinel/rolled_back_to"] == 55.0
-    assert trainer._sat_rollbacks == [(58, 63)]
-    # the fake rows stay collapsed: after the cooldown the next alarm is out of rollbacks and stops
-    last_step, last = trainer.logged[-1]
-    assert last["sentinel/stop"] == 1.0 and last_step == 62 + ON.cooldown + 1
+def test_rollback_undoes_a_transient_training_fault_and_halves_the_lag(tmp_path: Path, monkeypatch, capsys):
+    """A fault in the weights (transient=True) from step 60: the alarm at 62 reloads step 55's
+    checkpoint, saved by verl's own _save_checkpoint, in step 63's on_step_end, before the
+    weight sync; the lag halves from step 64 on; the reward recovers and the run ends healthy."""
+    config = {"action": "rollback"}
+    trainer = run_fit(tmp_path, monkeypatch, config, steps=90, fault=60, transient=True)
+    rows = logged(tmp_path)
+    assert sorted(rows) == list(range(1, 91))  # ran to the end
+    assert rows[62]["sentinel/rollback_target"] == 55.0
+    assert trainer.actor_rollout_wg.loaded == [str(tmp_path / "checkpoints" / "global_step_55" / "actor")]
+    assert rows[63]["sentinel/rollbacks"] == 1.0 and rows[63]["sentinel/rolled_back_to"] == 55.0
+    assert trainer.lags[:63] == [2] * 63 and set(trainer.lags[63:]) == {1}  # halved after the rollback
+    assert trainer.config.data.train_batch_size == 4 and trainer.parameter_sync_step == 1
+    assert sum(m["sentinel/alarm"] for m in rows.values()) == 1.0
+    pre = np.mean([rows[s]["critic/score/mean"] for s in range(40, 60)])
+    post = np.mean([rows[s]["critic/score/mean"] for s in range(70, 91)])
+    assert post > pre - 0.05  # back to the pre-fault level
+    record = json.loads((tmp_path / "sentinel.json").read_text())
+    (rollback,) = record["rollbacks"]
+    assert rollback["step"] == 63 and rollback["target"] == 55 and rollback["alarm_step"] == 62
+    assert rollback["setting_changed"] == {"sat.lag": [2, 1], "data.train_batch_size": [8, 4]}
+    assert "collapse signature at step 62" in rollback["reason"]
+    assert record["verdict"] == {"collapsed": False, "final_step": 90} and collapse_exit(record) == (0, None)
+    assert "changed: sat.lag 2 -> 1" in capsys.readouterr().out
 
 
-def test_hook_rollback_without_checkpoint_stops(tmp_path: Path, capsys):
-    trainer = FakeSATTrainer({"enabled": True, "action": "rollback"}, collapse_rows(), tmp_path)
-    trainer.fit()
-    assert trainer.logged[-1][0] == 62 and trainer.actor_rollout_wg.loaded == []
+def test_rollback_cannot_undo_a_persistent_fault_and_ends_as_a_collapse(tmp_path: Path, monkeypatch):
+    """The rollout-side fault persists: two rollbacks, then the next alarm stops the run."""
+    trainer = run_fit(tmp_path, monkeypatch, {"action": "rollback"}, steps=120, fault=60, transient=False)
+    rows = logged(tmp_path)
+    assert len(trainer.actor_rollout_wg.loaded) == 2  # max_rollbacks
+    last = max(rows)
+    assert rows[last]["sentinel/stop"] == 1.0 and last < 120
+    record = json.loads((tmp_path / "sentinel.json").read_text())
+    assert [r["target"] for r in record["rollbacks"]] == [55, 55]  # the checkpoint before the onset
+    status, line = collapse_exit(record)
+    assert status == EXIT_COLLAPSED and "2 rollback(s) already done" in line
+
+
+def test_rollback_ignores_checkpoints_newer_than_verls_tracker(tmp_path: Path, monkeypatch):
+    """A half-written checkpoint (its directory exists, the tracker verl writes last does not
+    name it) is never a rollback target."""
+    trainer = run_fit(tmp_path, monkeypatch, {"action": "rollback"}, steps=90, fault=60, transient=True, save_freq=0)
+    assert trainer.actor_rollout_wg.loaded == []  # no checkpoint at all: stop
+    ckpt = tmp_path / "x" / "checkpoints"
+    (ckpt / "global_step_58" / "actor").mkdir(parents=True)
+    (ckpt / "global_step_50" / "actor").mkdir(parents=True)
+    write_tracker(ckpt, 50)
+    trainer.config.trainer.default_local_dir = str(ckpt)
+    event = trainer._sat_sentinel.events[0]
+    assert trainer._sentinel_schedule_rollback(dataclasses.replace(event, onset_step=61), {}) == "rollback"
+    assert trainer._sat_rollback_pending["target"] == 50
+
+
+def test_hook_rollback_without_checkpoint_stops(tmp_path: Path, monkeypatch, capsys):
+    run_fit(tmp_path, monkeypatch, {"action": "rollback"}, steps=120, fault=60, transient=False, save_freq=0)
+    assert max(logged(tmp_path)) == 62
     assert "no checkpoint" in capsys.readouterr().out

@@ -49,6 +49,10 @@ from typing import Any
 import numpy as np
 import torch
 
+from verl_sat.accounting import SampleAccountingMixin
+from verl_sat.faults import FaultMixin, scale_lr
+from verl_sat.sentinel import SentinelTrainerMixin
+
 STALENESS_FIELD = "sat_staleness"
 STALENESS_BUCKETS = 33  # per-staleness metrics for s = 0..31; bucket 32 holds s >= 32
 BY_STALENESS = "actor/sat_by_staleness"
@@ -305,7 +309,7 @@ def sat_worker_class(remote_cls: Any) -> Any:
     (``verl.single_controller.base.decorator.register``), so the worker group exposes it.
     """
     import ray
-    from verl.single_controller.base.decorator import MAGIC_ATTR, register
+    from verl.single_controller.base.decorator import MAGIC_ATTR, Dispatch, register
 
     base = remote_cls.__ray_actor_class__
 
@@ -317,15 +321,22 @@ def sat_worker_class(remote_cls: Any) -> Any:
         install_sat_loss(self)
 
     init_model.__doc__ = "``enable_on_worker`` (routing replay), verl's init_model, then ``install_sat_loss``."
+    def sat_scale_lr(self: Any, factor: float) -> list[float]:
+        return scale_lr(self, factor)  # the lr-spike fault (verl_sat.faults)
+
     cls = type(
         f"SAT{base.__name__}",
         (base,),
-        {"__module__": __name__, "init_model": register(**getattr(base.init_model, MAGIC_ATTR))(init_model)},
+        {
+            "__module__": __name__,
+            "init_model": register(**getattr(base.init_model, MAGIC_ATTR))(init_model),
+            "sat_scale_lr": register(dispatch_mode=Dispatch.ONE_TO_ALL)(sat_scale_lr),
+        },
     )
     return ray.remote(cls)
 
 
-class SATTrainerMixin:
+class SATTrainerMixin(SentinelTrainerMixin, SampleAccountingMixin, FaultMixin):
     """A v1 trainer that writes per-sample staleness for the loss and uses SAT workers.
 
     Registered as ``sat_<mode>``; ``trainer_mode`` reads back as ``<mode>`` so that verl's own
@@ -366,116 +377,38 @@ class SATTrainerMixin:
             metrics["training/sat/staleness_steps/max"] = float(staleness[real].max())
         field = TensorDict({STALENESS_FIELD: torch.as_tensor(staleness, dtype=torch.float32)}, batch_size=len(batch))
         tq.kv_batch_put(keys=batch.keys, partition_id=batch.partition_id, fields=field)
+        self._account_mini_batch(batch, staleness.tolist())
+        self._fault_before_update()
         if batch.fields is not None and STALENESS_FIELD not in batch.fields:
             batch = dataclasses.replace(batch, fields=[*batch.fields, STALENESS_FIELD])
         return batch
 
-    # -- the collapse sentinel (verl_sat.sentinel; docs/sentinel.md) ---------------------------
+    # -- the sentinel, sample accounting and faults (verl_sat.sentinel, .accounting, .faults) -----
     # verl's fit loop, per global step t: step() -> save checkpoint -> on_step_end (weight sync)
-    # -> _compute_metrics (the reward appears here) -> logger.log -> global_steps += 1. So the
-    # sentinel scores step t in _compute_metrics, whose metrics verl logs next; "stop" lowers
-    # total_training_steps to t, which ends verl's loop after this step; "rollback" reloads the
-    # checkpoint in the next step's on_step_end, right before verl's own weight sync.
+    # -> _compute_metrics (the reward appears here) -> logger.log -> global_steps += 1.
     def _compute_metrics(self, batch: Any, metrics: dict, timing_raw: dict, global_steps: int, epoch: int) -> None:
         super()._compute_metrics(batch, metrics, timing_raw, global_steps=global_steps, epoch=epoch)  # type: ignore[misc]
         finish_staleness_breakdown(metrics)
         fill_eviction_counters(metrics)
+        self._account_step(int(global_steps))
         self._sentinel_observe(int(global_steps), metrics)
 
     def on_step_end(self) -> None:
         self._sentinel_rollback_if_pending()
         super().on_step_end()  # type: ignore[misc]
 
-    def _sentinel(self) -> Any:
-        """The ``CollapseSentinel`` of ``sat.sentinel`` in the composed config; None when disabled."""
-        if "_sat_sentinel" not in self.__dict__:
-            from verl_sat.sentinel import CollapseSentinel, SentinelConfig
+    def _submit_batch_to_rollout(self, batch: Any) -> int:
+        self._account_submitted(batch)
+        return super()._submit_batch_to_rollout(batch)  # type: ignore[misc]
 
-            sat = self.config.get("sat") or {}
-            config = SentinelConfig.from_node(sat.get("sentinel"))
-            self._sat_sentinel = CollapseSentinel(config) if config.enabled else None
-            self._sat_rollbacks: list[tuple[int, int]] = []  # (onset - margin, step rolled back at)
-            self._sat_rollback_pending: tuple[int, str, int] | None = None  # (ckpt step, path, onset)
-            self._sat_sentinel_carry: dict[str, float] = {}
-        return self._sat_sentinel
+    def _reissue_inflight_prompts(self, partition_id: str = "train") -> int:
+        count = super()._reissue_inflight_prompts(partition_id)  # type: ignore[misc]
+        self._account_reissued(count)
+        return count
 
-    def _sentinel_observe(self, step: int, metrics: dict) -> None:
-        """Score the step; add ``sentinel/*`` to its metrics; on alarm, act (``sat.sentinel.action``)."""
-        sentinel = self._sentinel()
-        if sentinel is None:
-            return
-        metrics.update(self._sat_sentinel_carry)
-        self._sat_sentinel_carry = {}
-        event = sentinel.update(step, metrics)
-        metrics.update(sentinel.last_metrics)
-        if event is None:
-            return
-        action = event.action
-        print(f"[verl-sat] sentinel: {event.describe()}; action: {action}", flush=True)
-        if action == "rollback":
-            action = self._sentinel_schedule_rollback(event, metrics)
-        if action == "stop":
-            # verl's loop runs while global_steps <= total_training_steps: this step is the last
-            self.total_training_steps = min(int(self.total_training_steps), step)
-            metrics["sentinel/stop"] = 1.0
-            print(f"[verl-sat] sentinel: stopping after step {step}", flush=True)
-
-    def _sentinel_checkpoint_dir(self) -> str:
-        """verl's ``trainer.default_local_dir``, made absolute as ``_load_checkpoint`` does."""
-        import os
-
-        folder = str(self.config.trainer.default_local_dir)
-        return folder if os.path.isabs(folder) else os.path.join(os.getcwd(), folder)
-
-    def _sentinel_schedule_rollback(self, event: Any, metrics: dict) -> str:
-        """Pick the newest checkpoint saved before the onset; "stop" if none or out of rollbacks."""
-        import os
-
-        from verl_sat.sentinel import list_checkpoints, select_rollback_step
-
-        config = self._sat_sentinel.config
-        if len(self._sat_rollbacks) >= config.max_rollbacks:
-            print(f"[verl-sat] sentinel: {config.max_rollbacks} rollback(s) already done; stopping", flush=True)
-            return "stop"
-        folder = self._sentinel_checkpoint_dir()
-        target = select_rollback_step(
-            list_checkpoints(folder), event.onset_step, config.rollback_margin, self._sat_rollbacks
-        )
-        if target is None:
-            print(
-                f"[verl-sat] sentinel: no checkpoint in {folder} before step {event.onset_step}; stopping", flush=True
-            )
-            return "stop"
-        self._sat_rollback_pending = (target, os.path.join(folder, f"global_step_{target}"), event.onset_step)
-        metrics["sentinel/rollback_target"] = float(target)
-        print(f"[verl-sat] sentinel: rolling back to the checkpoint of step {target} next step", flush=True)
-        return "rollback"
-
-    def _sentinel_rollback_if_pending(self) -> None:
-        """Reload the actor (and critic) checkpoint picked on alarm, before verl syncs weights.
-
-        verl's ``load_checkpoint`` restores what ``checkpoint.load_contents`` lists (model,
-        optimizer, lr scheduler). The step counter, dataloader position and TransferQueue
-        contents are kept: training goes on with new prompts from the restored weights.
-        """
-        pending = self.__dict__.get("_sat_rollback_pending")
-        if pending is None:
-            return
-        import os
-
-        from verl.trainer.ppo.utils import Role
-
-        target, path, onset = pending
-        self._sat_rollback_pending = None
-        self.actor_rollout_wg.load_checkpoint(local_path=os.path.join(path, "actor"), del_local_after_load=False)
-        if getattr(self, "use_critic", False):
-            self.critic_wg.load_checkpoint(local_path=os.path.join(path, str(Role.Critic)), del_local_after_load=False)
-        self._sat_rollbacks.append((onset - self._sat_sentinel.config.rollback_margin, int(self.global_steps)))
-        self._sat_sentinel_carry = {
-            "sentinel/rollbacks": float(len(self._sat_rollbacks)),
-            "sentinel/rolled_back_to": float(target),
-        }
-        print(f"[verl-sat] sentinel: step {self.global_steps}: restored the checkpoint of step {target}", flush=True)
+    def _load_checkpoint(self) -> None:
+        super()._load_checkpoint()  # type: ignore[misc]
+        self._account_epoch_order()
 
 
 def register_sat_trainers() -> None:

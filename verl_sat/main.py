@@ -35,6 +35,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf, open_dict
 
 from verl_sat import job_summary
 from verl_sat.console import CONSOLE_LOG, quiet_console, quiet_sources
+from verl_sat.faults import check_writable, finish_run
 from verl_sat.paper_table import derive_method
 from verl_sat.paths import hydra_config_dir
 from verl_sat.schedule import (
@@ -102,7 +103,7 @@ def make_run_dir(cfg: DictConfig, sat: SATRecipeConfig) -> Path:
     """The run directory (created), with verl's file logger and checkpoints pointed into it."""
     run_dir = Path(sat.run_dir or f"runs/{cfg.trainer.experiment_name}-{time.strftime('%Y%m%d-%H%M%S')}")
     run_dir = run_dir.resolve()
-    run_dir.mkdir(parents=True, exist_ok=True)
+    check_writable(run_dir, "sat.run_dir")
     with open_dict(cfg):
         cfg.sat.run_dir = str(run_dir)
         loggers = list(cfg.trainer.logger) if cfg.trainer.logger else []
@@ -110,6 +111,8 @@ def make_run_dir(cfg: DictConfig, sat: SATRecipeConfig) -> Path:
             cfg.trainer.logger = loggers + ["file"]
         if cfg.trainer.default_local_dir in (None, "") or "checkpoints/" in str(cfg.trainer.default_local_dir):
             cfg.trainer.default_local_dir = str(run_dir / "checkpoints")
+    if int(cfg.trainer.get("save_freq", -1)) > 0:
+        check_writable(Path(str(cfg.trainer.default_local_dir)), "trainer.default_local_dir")
     metrics = run_dir / METRICS_FILE
     if metrics.exists() and metrics.stat().st_size > 0:
         keep_earlier_metrics(cfg, run_dir, metrics)
@@ -138,21 +141,28 @@ def pass_env_to_ray(cfg: DictConfig, names: tuple[str, ...] = RAY_ENV_VARS) -> N
 def keep_earlier_metrics(cfg: DictConfig, run_dir: Path, metrics: Path) -> None:
     """A run dir that already holds metrics: resume (keeping them) or refuse.
 
-    verl's file logger truncates its file, so when verl will resume from a checkpoint
-    (``trainer.resume_mode`` auto/resume_path and checkpoints present) the earlier lines are moved
-    to ``metrics.part<k>.jsonl`` first; otherwise the run stops before touching anything.
+    verl resumes (``trainer.resume_mode`` auto) from the checkpoint its tracker names; a torn
+    tracker is repaired first (``verl_sat.faults.latest_checkpoint``). The rows of the steps after
+    that checkpoint, which this attempt redoes, move to ``*.superseded.jsonl``, so that
+    ``metrics.jsonl`` and ``samples.jsonl`` hold one row per step (``verl_sat.accounting``).
     """
-    resume = str(cfg.trainer.get("resume_mode", "disable")) in ("auto", "resume_path")
-    checkpoints = Path(str(cfg.trainer.default_local_dir))
-    if not (resume and checkpoints.is_dir() and any(checkpoints.glob("global_step_*"))):
+    from verl_sat import accounting, faults
+
+    resume = str(cfg.trainer.get("resume_mode", "disable")) == "auto"
+    async_mode = str(cfg.trainer.v1.trainer_mode).removeprefix("sat_") != "sync"
+    step = faults.latest_checkpoint(Path(str(cfg.trainer.default_local_dir)), async_mode) if resume else None
+    if step is None:
         raise FileExistsError(
             f"{metrics} already holds a run and there is no checkpoint to resume from "
             f"(trainer.resume_mode={cfg.trainer.get('resume_mode')}); choose another sat.run_dir= "
             "(nothing was overwritten)"
         )
-    k = 1 + len(list(run_dir.glob("metrics.part*.jsonl")))
-    metrics.rename(run_dir / f"metrics.part{k}.jsonl")
-    print(f"[verl-sat] resuming: earlier metrics kept in metrics.part{k}.jsonl", flush=True)
+    moved = accounting.prepare_resume(run_dir, step)
+    print(
+        f"[verl-sat] resuming from the checkpoint of step {step}: {moved['superseded_metric_steps']} later "
+        "step(s) will be redone (their rows kept in metrics.superseded.jsonl)",
+        flush=True,
+    )
 
 
 def set_platform_env(cfg: DictConfig) -> None:
@@ -420,11 +430,14 @@ def run(cfg: DictConfig) -> list[dict[str, Any]]:
             printer.stop()
             if ray.is_initialized():
                 ray.shutdown()
+            status = finish_run(run_dir, log=lambda line: print(line, flush=True))
     rows = read_metrics(run_dir / METRICS_FILE)
     print(summary(rows, time.perf_counter() - start, sat.lag), flush=True)
     print(f"[verl-sat] metrics: {run_dir / METRICS_FILE}", flush=True)
     if rows:
         print(f"[verl-sat] reward curve: {job_summary.plot_job(rows, run_dir / 'reward.png')}", flush=True)
+    if status:
+        raise SystemExit(status)  # a collapsed run never exits 0 (verl_sat.faults.collapse_exit)
     return rows
 
 

@@ -30,6 +30,7 @@ from typing import Any
 
 from omegaconf import DictConfig, open_dict
 
+from verl_sat.faults import FaultConfig
 from verl_sat.sentinel import SentinelConfig
 
 ROUTING_REPLAY_MODES = ("disabled", "R2", "R3")
@@ -56,6 +57,7 @@ class SATRecipeConfig:
         verbose: show Ray's, TransferQueue's and the workers' output on the console (default: only
             verl-sat's lines, verl's progress bar and errors; the rest goes to the run's console.log).
         sentinel: the collapse sentinel (``verl_sat.sentinel.SentinelConfig``, docs/sentinel.md).
+        faults: injected faults for the fault tests (``verl_sat.faults.FaultConfig``, docs/faults.md).
     """
 
     lag: int = 1
@@ -67,6 +69,7 @@ class SATRecipeConfig:
     assets_dir: str | None = None
     verbose: bool = False
     sentinel: SentinelConfig = field(default_factory=SentinelConfig)
+    faults: FaultConfig = field(default_factory=FaultConfig)
 
     def __post_init__(self) -> None:
         if isinstance(self.lag, bool) or not isinstance(self.lag, int) or self.lag < 1:
@@ -92,6 +95,7 @@ class SATRecipeConfig:
                 f"unknown key(s) under sat: {', '.join('sat.' + k for k in unknown)}; known: {sorted(known)}"
             )
         sentinel = SentinelConfig.from_node(values.pop("sentinel", None))
+        values["faults"] = FaultConfig.from_node(values.pop("faults", None))
         if sentinel.enabled and not values.get("actor", True):
             raise ValueError("sat.sentinel.enabled=true needs sat.actor=true (the sentinel runs in SATTrainerMixin)")
         return cls(**values, sentinel=sentinel)

@@ -63,6 +63,7 @@ from typing import Any
 import numpy as np
 
 ACTIONS = ("log", "stop", "rollback")
+AFTER_ROLLBACK = ("halve_lag", "none")
 MAD_TO_SIGMA = 1.4826  # sigma = 1.4826 MAD for gaussian noise
 _CHECKPOINT_DIR = re.compile(r"^global_step_(\d+)$")
 
@@ -103,6 +104,8 @@ class SentinelConfig:
             onset (the weights that generated the first low batch are already bad; async
             sampling reaches one step further back).
         max_rollbacks: after this many rollbacks, a further alarm stops training instead.
+        after_rollback: the safer setting a rollback switches to: ``halve_lag`` (the weights
+            reach the rollout twice as often from the next step on; nothing at lag 1) or ``none``.
     """
 
     enabled: bool = False
@@ -126,6 +129,7 @@ class SentinelConfig:
     cooldown: int = 10
     rollback_margin: int = 2
     max_rollbacks: int = 2
+    after_rollback: str = "halve_lag"
 
     def __post_init__(self) -> None:
         if isinstance(self.mismatch_keys, str):
@@ -135,6 +139,8 @@ class SentinelConfig:
         for name in ("enabled", "require_mismatch_spike", "require_aux_anomaly"):
             _check(name, getattr(self, name), isinstance(getattr(self, name), bool), "a bool")
         _check("action", self.action, self.action in ACTIONS, f"one of {list(ACTIONS)}")
+        ok = self.after_rollback in AFTER_ROLLBACK
+        _check("after_rollback", self.after_rollback, ok, f"one of {list(AFTER_ROLLBACK)}")
         for name in ("reward_key", "grad_norm_key", "entropy_key"):
             value = getattr(self, name)
             _check(name, value, isinstance(value, str) and bool(value), "a non-empty string")
@@ -400,3 +406,194 @@ def select_rollback_step(
     poisoned = list(poisoned)
     ok = [k for k in checkpoints if k <= onset_step - margin and not any(a < k <= b for a, b in poisoned)]
     return max(ok) if ok else None
+
+
+def standing_alarm(sentinel: CollapseSentinel) -> SentinelEvent | None:
+    """The last alarm, if its low-reward run has not ended (the reward is still below the band)."""
+    if not sentinel.events or sentinel._run == 0:
+        return None
+    last = sentinel.events[-1]
+    return last if sentinel._onset == last.onset_step else None
+
+
+# ---------------------------------------------------------------------------------------------
+# the hook on verl's v1 trainer (SATTrainerMixin; verl imported lazily, inside the methods)
+# ---------------------------------------------------------------------------------------------
+# verl's fit loop, per global step t: step() -> save checkpoint -> on_step_end (weight sync)
+# -> _compute_metrics (the reward appears here) -> logger.log -> global_steps += 1. So the
+# sentinel scores step t in _compute_metrics, whose metrics verl logs next; "stop" lowers
+# total_training_steps to t, which ends verl's loop after this step; "rollback" reloads the
+# checkpoint in the next step's on_step_end, right before verl's own weight sync, and halves
+# the lag (docs/sentinel.md, "After a rollback").
+class SentinelTrainerMixin:
+    """The collapse sentinel on verl's trainer; writes ``<run_dir>/sentinel.json`` as it acts."""
+
+    def _sentinel(self) -> CollapseSentinel | None:
+        """The ``CollapseSentinel`` of ``sat.sentinel`` in the composed config; None when disabled."""
+        if "_sat_sentinel" not in self.__dict__:
+            sat = self.config.get("sat") or {}  # type: ignore[attr-defined]
+            config = SentinelConfig.from_node(sat.get("sentinel"))
+            self._sat_sentinel = CollapseSentinel(config) if config.enabled else None
+            self._sat_rollbacks: list[tuple[int, int]] = []  # (onset - margin, step rolled back at)
+            self._sat_rollback_pending: dict[str, Any] | None = None
+            self._sat_sentinel_carry: dict[str, float] = {}
+            self._sat_record: dict[str, Any] = {"alarms": [], "rollbacks": [], "verdict": {"collapsed": False}}
+        return self._sat_sentinel
+
+    def _sentinel_observe(self, step: int, metrics: dict) -> None:
+        """Score the step; add ``sentinel/*`` to its metrics; on alarm, act (``sat.sentinel.action``)."""
+        sentinel = self._sentinel()
+        if sentinel is None:
+            return
+        metrics.update(self._sat_sentinel_carry)
+        self._sat_sentinel_carry = {}
+        event = sentinel.update(step, metrics)
+        metrics.update(sentinel.last_metrics)
+        if event is not None:
+            self._sentinel_alarm(event, step, metrics)
+        if step >= int(self.total_training_steps):  # type: ignore[attr-defined]
+            self._sentinel_verdict(step)
+        self._sentinel_write()
+
+    def _sentinel_alarm(self, event: SentinelEvent, step: int, metrics: dict) -> None:
+        action = event.action
+        print(f"[verl-sat] sentinel: {event.describe()}; action: {action}", flush=True)
+        self._sat_record["alarms"].append(
+            {"step": step, "onset": event.onset_step, "reason": event.describe(), "action": action}
+        )
+        if action == "rollback":
+            action = self._sentinel_schedule_rollback(event, metrics)
+        if action == "stop":
+            # verl's loop runs while global_steps <= total_training_steps: this step is the last
+            self.total_training_steps = min(int(self.total_training_steps), step)  # type: ignore[attr-defined]
+            metrics["sentinel/stop"] = 1.0
+            self._sat_record["stopped"] = {"step": step, "why": self._sat_record.get("stop_why", event.describe())}
+            print(f"[verl-sat] sentinel: stopping after step {step}", flush=True)
+
+    def _sentinel_verdict(self, step: int) -> None:
+        """On the last step: a stop by the sentinel, or an alarm still standing, is a collapse."""
+        record = self._sat_record
+        stopped = record.get("stopped")
+        standing = standing_alarm(self._sat_sentinel)
+        if stopped:
+            why = f"the sentinel stopped training after step {stopped['step']}: {stopped['why']}"
+        elif standing is not None:
+            why = (
+                f"the alarm of step {standing.step} still stands at the last step {step} "
+                f"(reward below the band since step {standing.onset_step}; {len(self._sat_rollbacks)} rollback(s) done)"
+            )
+        else:
+            record["verdict"] = {"collapsed": False, "final_step": step}
+            return
+        record["verdict"] = {"collapsed": True, "why": why, "final_step": step}
+        print(f"[verl-sat] sentinel: verdict: collapsed: {why}", flush=True)
+
+    def _sentinel_write(self) -> None:
+        import json
+
+        run_dir = (self.config.get("sat") or {}).get("run_dir")  # type: ignore[attr-defined]
+        if not run_dir:
+            return
+        path = os.path.join(str(run_dir), "sentinel.json")
+        with open(path + ".tmp", "w") as f:
+            json.dump(self._sat_record, f, indent=1)
+        os.replace(path + ".tmp", path)
+
+    def _sentinel_checkpoint_dir(self) -> str:
+        """verl's ``trainer.default_local_dir``, made absolute as ``_load_checkpoint`` does."""
+        folder = str(self.config.trainer.default_local_dir)  # type: ignore[attr-defined]
+        return folder if os.path.isabs(folder) else os.path.join(os.getcwd(), folder)
+
+    def _sentinel_schedule_rollback(self, event: SentinelEvent, metrics: dict) -> str:
+        """Pick the newest checkpoint saved before the onset; "stop" if none or out of rollbacks."""
+        from verl_sat.faults import read_tracker
+
+        config = self._sat_sentinel.config
+        if len(self._sat_rollbacks) >= config.max_rollbacks:
+            why = f"{config.max_rollbacks} rollback(s) already done and the collapse signature is back"
+            print(f"[verl-sat] sentinel: {why}; stopping", flush=True)
+            self._sat_record["stop_why"] = f"{why} ({event.describe()})"
+            return "stop"
+        folder = self._sentinel_checkpoint_dir()
+        newest = read_tracker(folder)  # verl writes the tracker last: newer directories may be half-written
+        saved = [k for k in list_checkpoints(folder) if newest is not None and k <= newest]
+        target = select_rollback_step(saved, event.onset_step, config.rollback_margin, self._sat_rollbacks)
+        if target is None:
+            why = f"no checkpoint in {folder} at or before step {event.onset_step - config.rollback_margin}"
+            print(f"[verl-sat] sentinel: {why}; stopping", flush=True)
+            self._sat_record["stop_why"] = f"{why} to roll back to ({event.describe()})"
+            return "stop"
+        self._sat_rollback_pending = {
+            "alarm_step": event.step,
+            "onset": event.onset_step,
+            "target": target,
+            "path": os.path.join(folder, f"global_step_{target}"),
+            "reason": event.describe(),
+        }
+        metrics["sentinel/rollback_target"] = float(target)
+        print(f"[verl-sat] sentinel: rolling back to the checkpoint of step {target} next step", flush=True)
+        return "rollback"
+
+    def _sentinel_rollback_if_pending(self) -> None:
+        """Reload the actor (and critic) checkpoint picked on alarm, before verl syncs weights,
+        then make the run safer (``_sentinel_safer_setting``) and record the rollback.
+
+        verl's ``load_checkpoint`` restores what ``checkpoint.load_contents`` lists (model,
+        optimizer, lr scheduler). The step counter, dataloader position and TransferQueue
+        contents are kept: training goes on with new prompts from the restored weights.
+        """
+        pending = self.__dict__.get("_sat_rollback_pending")
+        if pending is None:
+            return
+        self._sat_rollback_pending = None
+        path, target = pending["path"], pending["target"]
+        self.actor_rollout_wg.load_checkpoint(local_path=os.path.join(path, "actor"), del_local_after_load=False)  # type: ignore[attr-defined]
+        if getattr(self, "use_critic", False):
+            from verl.trainer.ppo.utils import Role
+
+            self.critic_wg.load_checkpoint(local_path=os.path.join(path, str(Role.Critic)), del_local_after_load=False)  # type: ignore[attr-defined]
+        step = int(self.global_steps)  # type: ignore[attr-defined]
+        self._sat_rollbacks.append((pending["onset"] - self._sat_sentinel.config.rollback_margin, step))
+        changed = self._sentinel_safer_setting()
+        self._sat_sentinel_carry = {
+            "sentinel/rollbacks": float(len(self._sat_rollbacks)),
+            "sentinel/rolled_back_to": float(target),
+        }
+        self._sat_record["rollbacks"].append(
+            {
+                "alarm_step": pending["alarm_step"],
+                "step": step,
+                "target": target,
+                "reason": pending["reason"],
+                "setting_changed": changed,
+            }
+        )
+        what = ", ".join(f"{k} {a} -> {b}" for k, (a, b) in changed.items()) or "nothing (the lag is already 1)"
+        line = f"[verl-sat] sentinel: step {step}: restored the checkpoint of step {target}; changed: {what}"
+        print(line, flush=True)
+        self._sentinel_write()
+
+    def _sentinel_safer_setting(self) -> dict[str, tuple[int, int]]:
+        """After a rollback, halve the lag (``sat.sentinel.after_rollback=halve_lag``; SPEC §1).
+
+        In separate_async one global step holds ``parameter_sync_step`` optimizer steps over as
+        many mini-batches (``verl_sat.schedule.apply_lag``). verl's step reads both numbers below
+        every global step, so from the next one on the weights reach the rollout twice as often.
+        Returns ``{key: (old, new)}`` ({} when the lag is already 1 or the rule is off).
+        """
+        from omegaconf import open_dict
+
+        config = self._sat_sentinel.config
+        old = int(getattr(self, "parameter_sync_step", 1))
+        if config.after_rollback != "halve_lag" or old <= 1:
+            return {}
+        new = old // 2
+        mini = int(self.config.actor_rollout_ref.actor.ppo_mini_batch_size)  # type: ignore[attr-defined]
+        with open_dict(self.config):  # type: ignore[attr-defined]
+            node = self.config.trainer.v1.get(self.trainer_mode)  # type: ignore[attr-defined]
+            if node is not None and "parameter_sync_step" in node:
+                node.parameter_sync_step = new
+            old_batch = int(self.config.data.train_batch_size)  # type: ignore[attr-defined]
+            self.config.data.train_batch_size = new * mini  # type: ignore[attr-defined]
+        self.parameter_sync_step = new
+        return {"sat.lag": (old, new), "data.train_batch_size": (old_batch, new * mini)}

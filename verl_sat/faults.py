@@ -1,0 +1,297 @@
+"""Faults: injected on purpose (``sat.faults``), and guarded against (docs/faults.md).
+
+Knobs (``sat.faults.*``, all off by default), each for a test of what survives what:
+
+- ``lr_spike_steps`` / ``lr_spike_factor``: the actor's learning rate is multiplied by the factor
+  for every optimizer step of those global steps (a transient divergence *in training*, which a
+  rollback to a checkpoint saved before it undoes). The rollout-side, persistent fault is
+  ``actor_rollout_ref.rollout.engine_kwargs.hf.fault_step`` (``verl_sat.rollout``).
+- ``checkpoint_enospc_step``: the checkpoint of that global step fails with ``ENOSPC`` after the
+  actor's weights are written and before verl's dataloader state (a disk that fills mid-save).
+
+Guards:
+
+- ``latest_checkpoint``: the step verl resumes from is the one ``latest_checkpointed_iteration.txt``
+  names, and verl writes that file last in ``_save_checkpoint`` (actor, critic, ``data.pt``,
+  TransferQueue, then the tracker), so a save killed midway leaves the previous checkpoint the
+  latest. A tracker that is empty or torn (a kill while verl rewrites it) or names an incomplete
+  directory is repaired to the newest complete checkpoint before Ray starts, with a line.
+- ``check_writable``: the run directory and the checkpoint directory are created and probed
+  before Ray starts; an error names the key and the path.
+- ``SaveGuardMixin._save_checkpoint``: an ``OSError`` while saving is re-raised with a line naming
+  the path and the checkpoint that stays the latest.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import re
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+TRACKER = "latest_checkpointed_iteration.txt"
+_STEP_DIR = re.compile(r"^global_step_(\d+)$")
+SENTINEL_RECORD = "sentinel.json"
+# exit status of a job that ran to its end (or was stopped) with the collapse signature standing
+EXIT_COLLAPSED = 3
+
+
+@dataclass
+class FaultConfig:
+    """``sat.faults``: injected faults, for the fault tests (docs/faults.md). All off by default.
+
+    Args:
+        lr_spike_steps: global steps whose optimizer steps run at ``lr_spike_factor`` x the lr.
+        lr_spike_factor: the factor (> 0).
+        checkpoint_enospc_step: the global step whose checkpoint fails with ENOSPC (-1: none).
+    """
+
+    lr_spike_steps: tuple[int, ...] = ()
+    lr_spike_factor: float = 100.0
+    checkpoint_enospc_step: int = -1
+
+    def __post_init__(self) -> None:
+        steps = self.lr_spike_steps
+        steps = (steps,) if isinstance(steps, int) else tuple(steps)
+        if not all(isinstance(s, int) and not isinstance(s, bool) and s >= 1 for s in steps):
+            raise ValueError(
+                f"sat.faults.lr_spike_steps must be a list of global steps >= 1, got {self.lr_spike_steps!r}"
+            )
+        self.lr_spike_steps = steps
+        factor = self.lr_spike_factor
+        if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not factor > 0:
+            raise ValueError(f"sat.faults.lr_spike_factor must be a number > 0, got {factor!r}")
+        step = self.checkpoint_enospc_step
+        if isinstance(step, bool) or not isinstance(step, int) or step < -1 or step == 0:
+            raise ValueError(f"sat.faults.checkpoint_enospc_step must be -1 or a global step >= 1, got {step!r}")
+
+    @classmethod
+    def from_node(cls, node: Any) -> FaultConfig:
+        """From the ``sat.faults`` node (DictConfig, dict or None); unknown keys are an error."""
+        if node is not None and hasattr(node, "_metadata"):
+            from omegaconf import OmegaConf
+
+            node = OmegaConf.to_container(node, resolve=True)
+        values = dict(node or {})
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ValueError(
+                "unknown key(s) under sat.faults: "
+                + ", ".join("sat.faults." + k for k in unknown)
+                + f"; known: {sorted(known)}"
+            )
+        return cls(**values)
+
+
+# ---------------------------------------------------------------------------------------------
+# checkpoints
+# ---------------------------------------------------------------------------------------------
+def checkpoint_complete(step_dir: Path, async_mode: bool = True) -> bool:
+    """verl wrote every part of ``global_step_k``: actor files, ``data.pt`` (written after the
+    actor and critic) and, in the async modes, TransferQueue's state (written after ``data.pt``)."""
+    actor = step_dir / "actor"
+    if not (actor.is_dir() and any(actor.iterdir()) and (step_dir / "data.pt").is_file()):
+        return False
+    return not async_mode or (step_dir / "transfer_queue").exists()
+
+
+def read_tracker(checkpoint_dir: Path) -> int | None:
+    """The step in verl's tracker file, or None if it is missing, empty or torn."""
+    try:
+        return int((Path(checkpoint_dir) / TRACKER).read_text().strip())
+    except (OSError, ValueError):
+        return None
+
+
+def write_tracker(checkpoint_dir: Path, step: int) -> None:
+    """Write verl's tracker atomically (temporary file, fsync, rename)."""
+    tracker = Path(checkpoint_dir) / TRACKER
+    tmp = tracker.with_name(TRACKER + ".tmp")
+    with open(tmp, "w") as f:
+        f.write(str(step))
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, tracker)
+
+
+def checkpoint_steps(checkpoint_dir: Path) -> list[int]:
+    """The k of every ``global_step_k`` directory, ascending (complete or not)."""
+    if not Path(checkpoint_dir).is_dir():
+        return []
+    return sorted(int(m.group(1)) for p in Path(checkpoint_dir).iterdir() if (m := _STEP_DIR.match(p.name)))
+
+
+def latest_checkpoint(checkpoint_dir: Path, async_mode: bool = True, log: Any = print) -> int | None:
+    """The step verl will resume from, after repairing a torn tracker (module docstring).
+
+    With a readable tracker naming a complete checkpoint, that step. Otherwise the newest
+    complete checkpoint (not newer than a readable tracker's), with the tracker rewritten to it;
+    None if there is none (verl then trains from scratch).
+    """
+    checkpoint_dir = Path(checkpoint_dir)
+    tracked = read_tracker(checkpoint_dir)
+    if tracked is not None and checkpoint_complete(checkpoint_dir / f"global_step_{tracked}", async_mode):
+        return tracked
+    tracker_exists = (checkpoint_dir / TRACKER).exists()
+    if tracked is None and not tracker_exists:
+        return None
+    candidates = [
+        k
+        for k in checkpoint_steps(checkpoint_dir)
+        if (tracked is None or k <= tracked) and checkpoint_complete(checkpoint_dir / f"global_step_{k}", async_mode)
+    ]
+    what = "is empty or torn" if tracked is None else f"names global_step_{tracked}, which is incomplete"
+    if not candidates:
+        log(
+            f"[verl-sat] warning: {checkpoint_dir / TRACKER} {what} and no complete checkpoint is left; "
+            "training from scratch"
+        )
+        (checkpoint_dir / TRACKER).unlink(missing_ok=True)
+        return None
+    write_tracker(checkpoint_dir, candidates[-1])
+    log(
+        f"[verl-sat] warning: {checkpoint_dir / TRACKER} {what}; resuming from the newest complete "
+        f"checkpoint, global_step_{candidates[-1]}"
+    )
+    return candidates[-1]
+
+
+def check_writable(path: Path, key: str) -> None:
+    """Create ``path`` and write a probe file in it; an ``OSError`` names the key and the path."""
+    path = Path(path)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe = path / f".verl-sat-write-probe-{os.getpid()}"
+        probe.write_text("ok")
+        probe.unlink()
+    except OSError as exc:
+        reason = exc.strerror or type(exc).__name__
+        raise OSError(exc.errno, f"{key}: cannot write to {path}: {reason}; choose a writable directory") from exc
+
+
+# ---------------------------------------------------------------------------------------------
+# the trainer side (verl's TaskRunner): injected faults and the save guard
+# ---------------------------------------------------------------------------------------------
+def scale_lr(worker: Any, factor: float) -> list[float]:
+    """On an actor worker: multiply the optimizer's learning rates by ``factor`` until verl's lr
+    scheduler next sets them (after the next optimizer step). Returns the new rates."""
+    optimizer = worker.actor.engine.optimizer
+    for group in optimizer.param_groups:
+        group["lr"] = group["lr"] * factor
+    return [float(g["lr"]) for g in optimizer.param_groups]
+
+
+class FaultMixin:
+    """``sat.faults`` on verl's v1 trainer, and the checkpoint save guard (``SATTrainerMixin``)."""
+
+    def _faults(self) -> FaultConfig:
+        if "_sat_faults" not in self.__dict__:
+            self._sat_faults = FaultConfig.from_node((self.config.get("sat") or {}).get("faults"))  # type: ignore[attr-defined]
+        return self._sat_faults
+
+    def _fault_before_update(self) -> None:
+        """An lr spike for this optimizer step, when the global step is one of ``lr_spike_steps``."""
+        faults = self._faults()
+        if int(self.global_steps) not in faults.lr_spike_steps:  # type: ignore[attr-defined]
+            return
+        rates = self.actor_rollout_wg.sat_scale_lr(faults.lr_spike_factor)  # type: ignore[attr-defined]
+        print(
+            f"[verl-sat] fault: step {self.global_steps}: learning rate x{faults.lr_spike_factor:g} "  # type: ignore[attr-defined]
+            f"for one optimizer step (lr {rates[0][0]:.3g}; sat.faults.lr_spike_steps)",
+            flush=True,
+        )
+
+    def _save_checkpoint(self) -> None:
+        """verl's save; an ``OSError`` (a full disk, a read-only mount) stops the run with a line
+        naming the path, and the tracker verl writes last still names the previous checkpoint."""
+        folder = Path(str(self.config.trainer.default_local_dir))  # type: ignore[attr-defined]
+        step = int(self.global_steps)  # type: ignore[attr-defined]
+        try:
+            with self._enospc_if_asked(step, folder):
+                super()._save_checkpoint()  # type: ignore[misc]
+        except OSError as exc:
+            kept = read_tracker(folder)
+            latest = f"global_step_{kept}" if kept is not None else "none"
+            print(
+                f"[verl-sat] error: the checkpoint of step {step} could not be written to "
+                f"{getattr(exc, 'filename', None) or folder / f'global_step_{step}'}: {exc.strerror or exc}; "
+                f"the latest checkpoint stays {latest} ({folder / TRACKER} unchanged)",
+                flush=True,
+            )
+            raise
+
+    def _enospc_if_asked(self, step: int, folder: Path) -> Any:
+        """A context in which verl's ``torch.save`` of ``data.pt`` fails with ENOSPC after writing
+        a few bytes, for ``sat.faults.checkpoint_enospc_step`` (after the actor's files exist)."""
+        import contextlib
+        from unittest import mock
+
+        import torch
+
+        if self._faults().checkpoint_enospc_step != step:
+            return contextlib.nullcontext()
+
+        def full_disk(obj: Any, f: Any, *args: Any, **kwargs: Any) -> None:
+            with open(f, "wb") as out:
+                out.write(b"\x80\x02partial")
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(f))
+
+        return mock.patch.object(torch, "save", full_disk)
+
+
+# ---------------------------------------------------------------------------------------------
+# the driver side: what the job's exit status says
+# ---------------------------------------------------------------------------------------------
+def read_sentinel_record(run_dir: Path) -> dict[str, Any] | None:
+    path = Path(run_dir) / SENTINEL_RECORD
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def update_run_record(run_dir: Path, **sections: Any) -> None:
+    """Add ``sections`` to ``run.json`` (atomically)."""
+    path = Path(run_dir) / "run.json"
+    try:
+        record = json.loads(path.read_text())
+    except (OSError, ValueError):
+        record = {}
+    record.update(sections)
+    tmp = path.with_name("run.json.tmp")
+    tmp.write_text(json.dumps(record, indent=1))
+    os.replace(tmp, path)
+
+
+def collapse_exit(record: dict[str, Any] | None) -> tuple[int, str | None]:
+    """(exit status, line): ``EXIT_COLLAPSED`` and why when the sentinel's verdict is a collapse."""
+    verdict = (record or {}).get("verdict") or {}
+    if verdict.get("collapsed"):
+        return EXIT_COLLAPSED, f"[verl-sat] error: the run ended collapsed: {verdict.get('why', 'sentinel alarm')}"
+    return 0, None
+
+
+def finish_run(run_dir: Path, log: Any = print) -> int:
+    """After verl's trainer returns (or fails): one metrics timeline, the sample accounting and the
+    sentinel's record in ``run.json``, their lines on the console; returns the exit status."""
+    from verl_sat import accounting
+
+    accounting.finish_metrics(run_dir)
+    samples = accounting.summarize(run_dir)
+    record = read_sentinel_record(run_dir)
+    update_run_record(run_dir, samples=samples, **({"sentinel": record} if record is not None else {}))
+    log(accounting.format_summary(samples))
+    for rollback in (record or {}).get("rollbacks", []):
+        changed = ", ".join(f"{k} {a} -> {b}" for k, (a, b) in rollback["setting_changed"].items()) or "nothing"
+        log(
+            f"[verl-sat] rollback at step {rollback['step']} to the checkpoint of step {rollback['target']} "
+            f"(alarm of step {rollback['alarm_step']}); changed: {changed}"
+        )
+    status, line = collapse_exit(record)
+    if line:
+        log(line)
+    return status
