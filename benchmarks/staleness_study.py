@@ -74,6 +74,7 @@ REGIME: dict[str, Any] = {
     "router_bias_std": 0.0,
     "prompts_per_step": 8,
     "rollout_n": 4,
+    "staleness": "legacy",  # this study's schedule: staleness 0..n-1 (the trainer's is 1..n)
 }
 STRESS_LAG = 32
 FULL = {

@@ -77,3 +77,102 @@ def replay_sentinel(rows: Rows, config: SentinelConfig) -> tuple[list[int], int]
         if sentinel.update(step, metrics) is not None:
             alarms.append(step)
     return alarms, scored
+
+
+# -- the confirmatory study's paired tests (docs/study_protocol.md): exact, no SciPy -----------
+def _betacf(a: float, b: float, x: float) -> float:
+    """Continued fraction of the regularized incomplete beta function (modified Lentz)."""
+    tiny, qab, qap, qam = 1e-300, a + b, a + 1.0, a - 1.0
+    c, d = 1.0, 1.0 - qab * x / qap
+    d = 1.0 / (d if abs(d) > tiny else tiny)
+    h = d
+    for m in range(1, 300):
+        m2 = 2 * m
+        for num in (m * (b - m) * x / ((qam + m2) * (a + m2)), -(a + m) * (qab + m) * x / ((a + m2) * (qap + m2))):
+            d = 1.0 + num * d
+            d = 1.0 / (d if abs(d) > tiny else tiny)
+            c = 1.0 + num / c
+            c = c if abs(c) > tiny else tiny
+            h *= d * c
+        if abs(d * c - 1.0) < 1e-15:
+            break
+    return h
+
+
+def _betainc(a: float, b: float, x: float) -> float:
+    """I_x(a, b), the regularized incomplete beta function."""
+    if x <= 0.0:
+        return 0.0
+    if x >= 1.0:
+        return 1.0
+    front = math.exp(math.lgamma(a + b) - math.lgamma(a) - math.lgamma(b) + a * math.log(x) + b * math.log1p(-x))
+    if x < (a + 1.0) / (a + b + 2.0):
+        return front * _betacf(a, b, x) / a
+    return 1.0 - front * _betacf(b, a, 1.0 - x) / b
+
+
+def student_t_cdf(t: float, df: int) -> float:
+    """P(T <= t) for Student's t with ``df`` degrees of freedom: 1 - I_{df/(df+t^2)}(df/2, 1/2) / 2."""
+    tail = 0.5 * _betainc(df / 2.0, 0.5, df / (df + t * t))
+    return 1.0 - tail if t >= 0 else tail
+
+
+def student_t_quantile(p: float, df: int) -> float:
+    """The t with P(T <= t) = p (bisection on the CDF; 1e-12 absolute)."""
+    if not 0.0 < p < 1.0 or df < 1:
+        raise ValueError(f"need 0 < p < 1 and df >= 1, got p={p}, df={df}")
+    lo, hi = -1e3, 1e3
+    while hi - lo > 1e-12:
+        mid = 0.5 * (lo + hi)
+        lo, hi = (mid, hi) if student_t_cdf(mid, df) < p else (lo, mid)
+    return 0.5 * (lo + hi)
+
+
+def paired_t_interval(diffs: Sequence[float], level: float = 0.95) -> tuple[float, float, float]:
+    """(mean, lo, hi): mean of the per-seed differences +- t_{(1+level)/2, n-1} * sd / sqrt(n)."""
+    n = len(diffs)
+    if n < 2:
+        raise ValueError(f"a paired t-interval needs at least 2 differences, got {n}")
+    mean = sum(diffs) / n
+    sd = math.sqrt(sum((d - mean) ** 2 for d in diffs) / (n - 1))
+    half = student_t_quantile((1.0 + level) / 2.0, n - 1) * sd / math.sqrt(n)
+    return mean, mean - half, mean + half
+
+
+def _sign_flip_p(values: Sequence[float], statistic) -> float:
+    """Exact two-sided p of ``statistic`` under the 2^n sign flips of ``values`` (n <= 20)."""
+    n = len(values)
+    if not 1 <= n <= 20:
+        raise ValueError(f"exact sign-flip tests take 1..20 values, got {n}")
+    observed = abs(statistic(values)) - 1e-12
+    extreme = 0
+    for bits in range(1 << n):
+        flipped = [-v if bits >> i & 1 else v for i, v in enumerate(values)]
+        extreme += abs(statistic(flipped)) >= observed
+    return extreme / (1 << n)
+
+
+def wilcoxon_signed_rank(diffs: Sequence[float]) -> tuple[float, float]:
+    """(W+, exact two-sided p) of the Wilcoxon signed-rank test; zero differences dropped, ties
+    given mid-ranks, p from the exact distribution over sign flips of the ranks."""
+    nonzero = [d for d in diffs if d != 0.0]
+    if not nonzero:
+        return 0.0, 1.0
+    order = sorted(range(len(nonzero)), key=lambda i: abs(nonzero[i]))
+    ranks = [0.0] * len(nonzero)
+    i = 0
+    while i < len(order):
+        j = i
+        while j + 1 < len(order) and abs(nonzero[order[j + 1]]) == abs(nonzero[order[i]]):
+            j += 1
+        for k in range(i, j + 1):
+            ranks[order[k]] = (i + j) / 2.0 + 1.0
+        i = j + 1
+    signed = [r if d > 0 else -r for r, d in zip(ranks, nonzero, strict=True)]
+    w_plus = sum(r for r in signed if r > 0)
+    return w_plus, _sign_flip_p(signed, sum)
+
+
+def permutation_p(diffs: Sequence[float]) -> float:
+    """Exact two-sided p of the paired permutation (sign-flip) test on the mean difference."""
+    return _sign_flip_p(list(diffs), lambda v: sum(v) / len(v))
