@@ -65,3 +65,14 @@ def random_batch(
         "advantages": adv.to(dtype),
         "response_mask": mask,
     }
+
+
+@pytest.fixture(scope="session")
+def cached_default_assets() -> Path:
+    """The default job's assets (full warm-up) in the user cache that `verl-sat` itself uses:
+    built once per machine (~3 min, under a lock), then reused by every test and run."""
+    from verl_sat.main import build_assets_once, default_assets_dir
+
+    assets = default_assets_dir()
+    build_assets_once(assets)
+    return assets

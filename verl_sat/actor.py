@@ -42,6 +42,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import os
 from collections.abc import Iterator
 from functools import partial
 from typing import Any
@@ -319,6 +320,9 @@ def sat_worker_class(remote_cls: Any) -> Any:
         enable_on_worker(self)  # FSDP routing replay (R2/R3): verl_sat.routing_replay
         super(cls, self).init_model()
         install_sat_loss(self)
+        from verl_sat.rollout.supervisor import register
+
+        register("trainer worker", f"rank{os.environ.get('RANK', 0)}")  # watched by the driver's supervisor
 
     init_model.__doc__ = "``enable_on_worker`` (routing replay), verl's init_model, then ``install_sat_loss``."
     def sat_scale_lr(self: Any, factor: float) -> list[float]:

@@ -38,6 +38,7 @@ from verl_sat.console import CONSOLE_LOG, quiet_console, quiet_sources
 from verl_sat.faults import check_writable, finish_run
 from verl_sat.paper_table import derive_method
 from verl_sat.paths import hydra_config_dir
+from verl_sat.rollout.supervisor import RUN_DIR_ENV, Supervisor
 from verl_sat.schedule import (
     SATRecipeConfig,
     apply_actor,
@@ -49,7 +50,7 @@ from verl_sat.schedule import (
 METRICS_FILE = "metrics.jsonl"
 # Environment the Ray workers need from the driver, passed through Ray's runtime environment too:
 # on a cluster started beforehand (`ray start`), workers inherit the raylet's environment, not ours.
-RAY_ENV_VARS = ("VERL_FILE_LOGGER_PATH",)
+RAY_ENV_VARS = ("VERL_FILE_LOGGER_PATH", RUN_DIR_ENV)
 PROGRESS_KEYS = {
     "reward": "critic/score/mean",
     "gate": "actor/sat_gate_rate",
@@ -117,6 +118,7 @@ def make_run_dir(cfg: DictConfig, sat: SATRecipeConfig) -> Path:
     if metrics.exists() and metrics.stat().st_size > 0:
         keep_earlier_metrics(cfg, run_dir, metrics)
     os.environ["VERL_FILE_LOGGER_PATH"] = str(metrics)
+    os.environ[RUN_DIR_ENV] = str(run_dir)  # rollout servers and workers register their pids there
     return run_dir
 
 
@@ -425,7 +427,8 @@ def run(cfg: DictConfig) -> list[dict[str, Any]]:
         printer.start()
         start = time.perf_counter()
         try:
-            run_ppo(cfg, task_runner_class=TaskRunnerV1)
+            with Supervisor(run_dir):  # a dead rollout server or worker ends the job (exit 4)
+                run_ppo(cfg, task_runner_class=TaskRunnerV1)
         finally:
             printer.stop()
             if ray.is_initialized():

@@ -83,6 +83,9 @@ class HFRolloutServer:
         self._rejecting = False
         self._started = False
         self.batch_sizes: deque[int] = deque(maxlen=1024)  # sizes of recent decode batches
+        from verl_sat.rollout.supervisor import register
+
+        register("rollout replica", str(replica_rank))  # the driver's supervisor watches this pid
 
     def _ensure_started(self) -> None:
         """Create loop-bound state and the serving task on first use (inside the actor's loop)."""

@@ -1,0 +1,157 @@
+"""Supervising the job's processes: a rollout server or trainer worker that dies ends the job.
+
+verl 0.9.1 does not notice a rollout server that dies: each request to it fails, the replay
+buffer evicts the failed group and refills it with a fresh prompt, which fails again, and the
+trainer waits for samples that never come. A trainer worker that dies mid-step surfaces as an
+exception only once verl next calls it. So every HF rollout server and every verl-sat actor
+worker registers its process id in ``<run_dir>/processes/`` when it starts (``register``), and
+the driver (``verl_sat.main``) runs a ``Supervisor`` thread that checks them once a second.
+
+When one is gone, the supervisor prints one error line naming the process, the global step in
+progress and what was lost, records it in ``run.json`` (``fault``), and interrupts the driver,
+which shuts Ray down and exits with ``EXIT_PROCESS_DIED``; if the driver has not exited 20 s
+later, the process exits anyway. So the job never hangs on a dead replica and never exits 0.
+Resume with the same command: verl restarts from the newest checkpoint (docs/faults.md).
+
+Processes on another host (a multi-node cluster) are not checked; their pid means nothing here.
+"""
+
+from __future__ import annotations
+
+import _thread
+import json
+import os
+import socket
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+RUN_DIR_ENV = "VERL_SAT_RUN_DIR"
+PROCESSES_DIR = "processes"
+EXIT_PROCESS_DIED = 4
+GRACE_S = 20.0
+
+
+def register(kind: str, name: str) -> None:
+    """Record this process (``kind``: "rollout replica" or "trainer worker") for the supervisor."""
+    run_dir = os.environ.get(RUN_DIR_ENV)
+    if not run_dir:
+        return
+    folder = Path(run_dir) / PROCESSES_DIR
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        entry = {"kind": kind, "name": name, "pid": os.getpid(), "host": socket.gethostname(), "since": time.time()}
+        (folder / f"{kind.replace(' ', '_')}_{name}.json").write_text(json.dumps(entry))
+    except OSError:
+        return
+
+
+def alive(pid: int) -> bool:
+    """The process exists and is not a zombie."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(") ", 1)[1][:1] != "Z"
+    except (OSError, IndexError):
+        return True
+
+
+def last_step(run_dir: Path) -> int:
+    """The last global step in ``metrics.jsonl`` (0 if none)."""
+    from verl_sat.accounting import read_jsonl
+
+    rows = read_jsonl(run_dir / "metrics.jsonl")
+    return max((int(r["step"]) for r in rows), default=0)
+
+
+def in_flight(run_dir: Path) -> int:
+    """Prompts handed to the rollout and not yet trained, from ``samples.jsonl``."""
+    from verl_sat.accounting import read_jsonl
+
+    handed, trained = set(), set()
+    for row in read_jsonl(run_dir / "samples.jsonl"):
+        if row.get("event") == "submitted":
+            handed.update(uid for uid, _ in row["prompts"])
+        elif row.get("event") == "trained":
+            trained.update(p.get("uid") for p in row["prompts"])
+    return len(handed - trained)
+
+
+class Supervisor(threading.Thread):
+    """Checks the registered processes of the job every ``interval`` seconds (module docstring)."""
+
+    def __init__(self, run_dir: Path, interval: float = 1.0) -> None:
+        super().__init__(daemon=True, name="verl-sat-supervisor")
+        self.run_dir, self.interval = Path(run_dir), interval
+        self.stopped = threading.Event()
+        self.failure: dict[str, Any] | None = None
+        self.host = socket.gethostname()
+        self.started_at = time.time()
+
+    def processes(self) -> list[dict[str, Any]]:
+        folder = self.run_dir / PROCESSES_DIR
+        entries = []
+        for path in sorted(folder.glob("*.json")) if folder.is_dir() else []:
+            try:
+                entry = json.loads(path.read_text())
+            except (OSError, ValueError):
+                continue
+            if entry.get("host") == self.host and entry.get("since", 0) >= self.started_at - 1:
+                entries.append(entry)
+        return entries
+
+    def check(self) -> dict[str, Any] | None:
+        """The first registered process of this job that is gone, with what was lost; else None."""
+        for entry in self.processes():
+            if not alive(int(entry["pid"])):
+                step = last_step(self.run_dir) + 1
+                return {**entry, "step": step, "in_flight_prompts": in_flight(self.run_dir)}
+        return None
+
+    def describe(self, failure: dict[str, Any]) -> str:
+        from verl_sat.faults import read_tracker
+
+        checkpoints = self.run_dir / "checkpoints"
+        kept = read_tracker(checkpoints)
+        resume = f"the checkpoint of step {kept}" if kept is not None else "no checkpoint (trainer.save_freq)"
+        return (
+            f"[verl-sat] error: {failure['kind']} {failure['name']} (pid {failure['pid']}) died during global step "
+            f"{failure['step']}: lost step {failure['step']}'s work and {failure['in_flight_prompts']} prompt(s) in "
+            f"flight; the job stops (exit {EXIT_PROCESS_DIED}); the same command resumes from {resume}"
+        )
+
+    def run(self) -> None:
+        while not self.stopped.wait(self.interval):
+            failure = self.check()
+            if failure is None:
+                continue
+            self.failure = failure
+            print(self.describe(failure), flush=True)
+            from verl_sat.faults import update_run_record
+
+            try:
+                update_run_record(self.run_dir, fault=failure)
+            except OSError:
+                pass
+            _thread.interrupt_main()
+            if not self.stopped.wait(GRACE_S):
+                os._exit(EXIT_PROCESS_DIED)
+            return
+
+    def stop(self) -> None:
+        self.stopped.set()
+
+    def __enter__(self) -> Supervisor:
+        self.start()
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> bool:
+        self.stop()
+        if self.failure is not None:
+            raise SystemExit(EXIT_PROCESS_DIED) from exc
+        return False
