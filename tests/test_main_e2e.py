@@ -31,7 +31,7 @@ def assets(tmp_path_factory) -> Path:
     return out
 
 
-def run_main(assets: Path, run_dir: Path, *overrides: str) -> tuple[list[dict], str]:
+def run_main(assets: Path, run_dir: Path, *overrides: str, returncode: int = 0) -> tuple[list[dict], str]:
     """Run the main job; returns the metrics rows ({"step", **data}) and its console (stdout, then stderr)."""
     cmd = [
         sys.executable,
@@ -44,7 +44,7 @@ def run_main(assets: Path, run_dir: Path, *overrides: str) -> tuple[list[dict], 
     ]
     env = {k: v for k, v in os.environ.items() if not k.startswith("VERL_FILE_LOGGER")}
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT_S, env=env, cwd=run_dir.parent)
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-5000:]
+    assert out.returncode == returncode, out.stdout[-3000:] + out.stderr[-5000:]
     lines = (run_dir / "metrics.jsonl").read_text().splitlines()
     rows = [{"step": r["step"], **r["data"]} for r in map(json.loads, lines)]
     return rows, out.stdout + out.stderr
@@ -137,6 +137,7 @@ def test_sentinel_quiet_on_the_default_then_fires_on_an_induced_collapse(default
         f"trainer.total_training_steps={total}",
         "sat.sentinel.action=stop",
         f"actor_rollout_ref.rollout.engine_kwargs.hf.fault_step={fault}",
+        returncode=3,  # a run the sentinel stopped is a collapse, never a success (docs/faults.md)
     )
     steps = [r["step"] for r in rows]
     alarms = [r["step"] for r in rows if r.get("sentinel/alarm") == 1.0]
@@ -150,3 +151,4 @@ def test_sentinel_quiet_on_the_default_then_fires_on_an_induced_collapse(default
     pre = sorted(by_step[s]["actor/mismatch_abs_mean"] for s in steps if s < fault)
     assert max(by_step[s]["actor/mismatch_abs_mean"] for s in steps if s >= fault) > 10 * pre[len(pre) // 2]
     assert f"[verl-sat] sentinel: collapse signature at step {alarm}" in stdout
+    assert f"[verl-sat] error: the run ended collapsed: the sentinel stopped training after step {alarm}" in stdout
