@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from verl_sat import job_summary
@@ -44,3 +46,51 @@ def test_reward_png_is_written(tmp_path):
     path = job_summary.plot_job(rows, tmp_path / "reward.png")
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert job_summary.quarter_means(rows) == pytest.approx((0.1, 0.5))
+
+
+def sat_rows(qs: list[float], intercepted: float = 0.0) -> list[dict]:
+    return [
+        {"step": s, "actor/sat_q": q, "actor/sat_intercepted_frac": intercepted, "critic/score/mean": 0.5}
+        for s, q in enumerate(qs, 1)
+    ]
+
+
+def test_sat_inert_warning_fires_when_q_is_beyond_the_clip_radius_on_most_recent_steps():
+    radius = 0.18232155679395462  # log(1.2)
+    inert = sat_rows([0.1] * 10 + [radius * 2] * 11 + [0.1] * 9)  # 11 of the last 20 above the radius
+    warning = job_summary.inert_warning(inert, eps_high=0.2)
+    assert warning and "11 of the last 20" in warning and "0.182" in warning
+    assert job_summary.inert_warning(sat_rows([radius * 2] * 10 + [0.1] * 10), eps_high=0.2) is None  # 10/20
+    assert job_summary.inert_warning(sat_rows([radius * 2] * 19), eps_high=0.2) is None  # too few steps yet
+    # the radius is the run's own eps_high: q = 0.3 is inside log(1 + 0.5)
+    assert job_summary.inert_warning(sat_rows([0.3] * 20), eps_high=0.5) is None
+    assert job_summary.inert_warning(sat_rows([0.3] * 20), eps_high=0.2) is not None
+    assert job_summary.inert_warning([{"step": s} for s in range(30)], eps_high=0.2) is None  # a baseline: no q
+
+
+def test_the_step_line_and_reward_png_show_the_intercepted_fraction(tmp_path):
+    from verl_sat.main import ProgressPrinter, progress_line
+
+    row = {"step": 3, "critic/score/mean": 0.5, "actor/sat_intercepted_frac": 0.0123}
+    assert "intercepted 0.0123" in progress_line(row)
+    assert "intercepted -" in progress_line({"step": 3})
+    path = tmp_path / "metrics.jsonl"
+    rows = sat_rows([0.5] * 25, intercepted=0.001)
+    path.write_text("".join(json.dumps({"step": r.pop("step"), "data": r}) + "\n" for r in rows))
+    printer = ProgressPrinter(path, eps_high=0.2)
+    printed = []
+    import builtins
+
+    real = builtins.print
+    builtins.print = lambda *a, **k: printed.append(" ".join(map(str, a)))
+    try:
+        printer.flush()
+        printer.flush()
+    finally:
+        builtins.print = real
+    assert sum("SAT is inert" in line for line in printed) == 1  # once, however often it flushes
+    assert job_summary.plot_job(job_summary_rows(), tmp_path / "reward.png").is_file()
+
+
+def job_summary_rows() -> list[dict]:
+    return [{"step": s, "critic/score/mean": 0.1, "actor/sat_intercepted_frac": 0.01 * s} for s in range(1, 5)]

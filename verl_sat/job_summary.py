@@ -1,4 +1,5 @@
-"""The main job's closing report: where a step's time went, the quarter rewards, and ``reward.png``.
+"""The main job's closing report: where a step's time went, the quarter rewards, ``reward.png``,
+and the warning that SAT is inert in this run.
 
 Everything is read from verl's own per-step metrics (``metrics.jsonl``):
 
@@ -12,6 +13,7 @@ Everything is read from verl's own per-step metrics (``metrics.jsonl``):
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -19,7 +21,11 @@ from typing import Any
 REWARD_KEY = "critic/score/mean"
 DBAR_PI_KEY = "actor/mismatch_abs_mean"
 GATE_KEY = "actor/sat_gate_rate"
+INTERCEPT_KEY = "actor/sat_intercepted_frac"
+Q_KEY = "actor/sat_q"
 STEP_KEY = "timing_s/step"
+INERT_WINDOW = 20
+"""the last steps the inertness warning looks at"""
 
 TIMING_PARTS: tuple[tuple[str, str], ...] = (
     ("wait_rollout", "timing_s/gen"),
@@ -70,15 +76,43 @@ def format_split(split: dict[str, float], lag: int) -> str:
     return f"step {split['step']:.2f} s = {split['step'] / max(1, lag):.2f} s/optimizer step ({parts})"
 
 
+def inert_warning(rows: Sequence[dict[str, Any]], eps_high: float, window: int = INERT_WINDOW) -> str | None:
+    """A warning when SAT cannot change this run's updates, or None (docs/sat.md, "Where SAT acts").
+
+    SAT moves a gated token's endpoint only inside the band 1 + eps_high~ < r < 1 + eps_high
+    (and its mirror); a token beyond q with q > log(1 + eps_high) already lies outside
+    PPO's interval, where PPO clips it too. So when q exceeds log(1 + eps_high) on most of the
+    last ``window`` steps, SAT gates tokens that PPO already clips: SAT is inert.
+    """
+    qs = [float(r[Q_KEY]) for r in rows if isinstance(r.get(Q_KEY), int | float)][-window:]
+    radius = math.log1p(eps_high)
+    above = sum(q > radius for q in qs)
+    if len(qs) < window or above <= window / 2:
+        return None
+    icpt = [float(r[INTERCEPT_KEY]) for r in rows[-window:] if isinstance(r.get(INTERCEPT_KEY), int | float)]
+    return (
+        f"[verl-sat] warning: SAT is inert here: q > log(1 + eps_high) = {radius:.3f} on {above} of the last "
+        f"{len(qs)} steps (median q {sorted(qs)[len(qs) // 2]:.3f}); mean intercepted fraction "
+        f"{sum(icpt) / max(1, len(icpt)):.2g}. The tokens SAT gates are ones PPO already clips; SAT acts where "
+        "q < log(1 + eps_high): a shorter lag or a smaller learning rate (docs/sat.md, 'Where SAT acts')"
+    )
+
+
 def plot_job(rows: Sequence[dict[str, Any]], path: Path) -> Path:
-    """``reward.png``: reward (with its first/last-quarter means), dbar_pi and SAT gate rate per step."""
+    """``reward.png``: reward (with its first/last-quarter means), dbar_pi, SAT gate rate and the
+    intercepted fraction (tokens SAT clips and PPO does not) per step."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    panels = ((REWARD_KEY, "reward (mean score)"), (DBAR_PI_KEY, "dbar_pi"), (GATE_KEY, "SAT gate rate"))
-    fig, axes = plt.subplots(1, len(panels), figsize=(13, 3.6))
+    panels = (
+        (REWARD_KEY, "reward (mean score)"),
+        (DBAR_PI_KEY, "dbar_pi"),
+        (GATE_KEY, "SAT gate rate"),
+        (INTERCEPT_KEY, "intercepted (SAT clips, PPO does not)"),
+    )
+    fig, axes = plt.subplots(1, len(panels), figsize=(17, 3.6))
     for ax, (key, label) in zip(axes, panels, strict=True):
         points = [(r["step"], float(r[key])) for r in rows if isinstance(r.get(key), (int, float))]
         if points:

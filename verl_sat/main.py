@@ -54,6 +54,7 @@ RAY_ENV_VARS = ("VERL_FILE_LOGGER_PATH", RUN_DIR_ENV)
 PROGRESS_KEYS = {
     "reward": "critic/score/mean",
     "gate": "actor/sat_gate_rate",
+    "intercepted": "actor/sat_intercepted_frac",
     "dbar_pi": "actor/mismatch_abs_mean",
     "staleness": "training/sat/staleness_steps/max",
     "seconds": "timing_s/step",
@@ -305,16 +306,18 @@ def progress_line(row: dict[str, Any]) -> str:
 
     return (
         f"[verl-sat] step {row['step']:>4} | reward {fmt('reward', '.3f')} | gate {fmt('gate', '.3f')} | "
-        f"dbar_pi {fmt('dbar_pi', '.4f')} | staleness<= {fmt('staleness', '.0f')} | {fmt('seconds', '.1f')} s"
+        f"intercepted {fmt('intercepted', '.4f')} | dbar_pi {fmt('dbar_pi', '.4f')} | "
+        f"staleness<= {fmt('staleness', '.0f')} | {fmt('seconds', '.1f')} s"
     )
 
 
 class ProgressPrinter(threading.Thread):
     """Tails metrics.jsonl (written by verl's trainer in its Ray actor) and prints a line a step."""
 
-    def __init__(self, path: Path, interval: float = 1.0) -> None:
+    def __init__(self, path: Path, interval: float = 1.0, eps_high: float = 0.2) -> None:
         super().__init__(daemon=True)
         self.path, self.interval, self.printed = path, interval, 0
+        self.eps_high, self.warned = eps_high, False
         self.stopped = threading.Event()
 
     def flush(self) -> None:
@@ -322,6 +325,10 @@ class ProgressPrinter(threading.Thread):
         for row in rows[self.printed :]:
             print(progress_line(row), flush=True)
         self.printed = len(rows)
+        warning = None if self.warned else job_summary.inert_warning(rows, self.eps_high)
+        if warning:
+            print(warning, flush=True)
+            self.warned = True
 
     def run(self) -> None:
         while not self.stopped.wait(self.interval):
@@ -423,7 +430,9 @@ def run(cfg: DictConfig) -> list[dict[str, Any]]:
         from verl.utils.config import validate_config
 
         validate_config(config=cfg, use_reference_policy=need_reference_policy(cfg), use_critic=need_critic(cfg))
-        printer = ProgressPrinter(run_dir / METRICS_FILE)
+        actor = "actor_rollout_ref.actor"
+        eps_high = OmegaConf.select(cfg, f"{actor}.clip_ratio_high") or OmegaConf.select(cfg, f"{actor}.clip_ratio")
+        printer = ProgressPrinter(run_dir / METRICS_FILE, eps_high=float(eps_high or 0.2))
         printer.start()
         start = time.perf_counter()
         try:
