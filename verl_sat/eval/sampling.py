@@ -333,10 +333,13 @@ def run_eval(
             n_correct += record["correct"]
             bar.update(n_correct)
     except ServerError as exc:
-        raise EvalIncomplete(
-            f"{exc}; {len(records)} of {total} samples drawn ({len(records) - len(kept)} in this run), kept in "
-            f"{log.path}: rerun with --resume to draw only the missing ones"
-        ) from exc
+        then = (
+            "--resume continues with the same --max-tokens once the server's context is longer"
+            if isinstance(exc, ContextLengthError)
+            else "rerun with --resume to draw only the missing ones"
+        )
+        drawn = f"{len(records)} of {total} samples drawn ({len(records) - len(kept)} in this run)"
+        raise EvalIncomplete(f"{exc}; {drawn}, kept in {log.path}: {then}") from exc
     finally:
         bar.close()
         log.close()

@@ -43,11 +43,12 @@ RETRYABLE_HTTP = frozenset({408, 409, 425, 429})  # and every 5xx
 MIN_TOKENS_PER_S = 10.0  # the slowest per-sequence decode speed the default timeout allows for
 TIMEOUT_FLOOR_S = 60.0
 MODELS_TIMEOUT_S = 60.0
-_CONTEXT_RE = re.compile(r"maximum context length is (\d+)", re.IGNORECASE)
+_CONTEXT_RE = re.compile(r"maximum context length (?:is |\()(\d+)", re.IGNORECASE)
 _PROMPT_RES = (
-    re.compile(r"(\d+) input tokens", re.IGNORECASE),  # vLLM: "your request has 812 input tokens"
-    re.compile(r"(\d+) in the messages", re.IGNORECASE),  # vLLM (older): "(812 in the messages, ...)"
-    re.compile(r"prompt[^0-9]{0,40}(\d+) tokens", re.IGNORECASE),
+    re.compile(r"prompt contains (?:at least )?(\d+) input tokens", re.IGNORECASE),  # vLLM 0.28 (renderers/params.py)
+    re.compile(r"request has (\d+) input tokens", re.IGNORECASE),  # older vLLM releases
+    re.compile(r"(\d+) in the messages", re.IGNORECASE),  # older vLLM releases
+    re.compile(r"input length \((\d+)\)", re.IGNORECASE),  # vLLM 0.28 (get_max_tokens)
 )
 
 
@@ -419,7 +420,9 @@ class ServerBackend:
                 return
             try:
                 done.put((job, self.complete(job, cfg, stop), None))
-            except BaseException as exc:  # noqa: BLE001 - handed to the consumer, which decides
+            except BaseException as exc:  # noqa: BLE001 - handed to the consumer
+                if not isinstance(exc, _Cancelled):
+                    stop.set()  # at once: no worker sends another request after a fatal error
                 done.put((job, None, exc))
 
 

@@ -1,0 +1,463 @@
+"""``python -m verl_sat.eval --server`` against a fake OpenAI server that dies (issue 25).
+
+The fake server (``FakeOpenAI``: ``http.server`` on 127.0.0.1, an ephemeral port, a thread) is
+seeded: a response is a function of (problem, seed), so a resumed evaluation can be compared
+with an uninterrupted one sample by sample. It dies after N answers, either by closing its
+socket (connection refused, like a killed vLLM) or by answering 503 to everything (a proxy
+in front of a dead server), and it logs every request it gets. No test times anything: the
+subprocess's own timeout only guards against a hang, and the retry budget bounds what the
+server may see after its death.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from verl_sat.eval.data import Problem, load_problems
+from verl_sat.eval.jobs import build_messages, render_prompt
+from verl_sat.eval.sampling import EvalIncomplete, SamplingConfig, ServerBackend, main, run_eval
+from verl_sat.eval.server import RetryPolicy, context_advice, is_retryable_status
+from verl_sat.eval.store import read_samples
+
+REPO = Path(__file__).resolve().parents[1]
+START_S = 120  # generous: a subprocess that imports verl_sat.eval (math-verify, sympy) on a loaded machine
+VLLM_028_CONTEXT = (
+    "This model's maximum context length is {c} tokens. However, you requested {m} output tokens and your "
+    "prompt contains {p} input tokens, for a total of {t} tokens. Please reduce the length of the input "
+    "prompt or the number of requested output tokens."
+)
+
+
+# ---------------------------------------------------------------------------------------------
+# The fake server
+# ---------------------------------------------------------------------------------------------
+
+
+def seeded_response(problem: Problem, seed: int | None) -> str:
+    """What the fake server answers: a function of (problem, seed); right about half of the time."""
+    rng = random.Random(f"{problem.id}:{seed}") if seed is not None else random.Random()
+    answer = int(problem.answer) + (0 if rng.random() < 0.5 else rng.randint(1, 9))
+    words = " ".join(rng.choice(("so", "then", "we", "sum", "factor", "check")) for _ in range(8))
+    return f"{words}.\nAnswer: {answer}"
+
+
+class FakeOpenAI:
+    """A seeded OpenAI-compatible server that dies after ``die_after`` answers.
+
+    Args:
+        problems: the problems it answers (found in the prompt by their question).
+        model: the id ``/v1/models`` lists.
+        die_after: answers before it dies (None: never).
+        death: ``"close"`` (stop listening: connection refused; the request that finds it dead is
+            dropped without an answer) or ``"503"`` (answer 503 to every request from then on).
+        context: a context length in words; a request with prompt words + max_tokens above it
+            gets vLLM 0.28's 400.
+        delay_s: seconds before each answer.
+    """
+
+    def __init__(
+        self,
+        problems: Sequence[Problem],
+        model: str = "fake-model",
+        die_after: int | None = None,
+        death: str = "close",
+        context: int | None = None,
+        delay_s: float = 0.0,
+    ) -> None:
+        self.problems, self.model, self.die_after, self.death = problems, model, die_after, death
+        self.context, self.delay_s = context, delay_s
+        self.requests: list[dict] = []  # every POST, in arrival order
+        self.answered = 0
+        self.dead = False
+        self.lock = threading.Lock()
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
+        self.server.daemon_threads = True
+        self.thread = threading.Thread(target=self.server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.server.server_address[1]}"
+
+    def seeds(self, answered: bool | None = None) -> list[int]:
+        """Seeds of the requests it got (``answered``: only those it answered, or only the others)."""
+        return [r["seed"] for r in self.requests if answered is None or r["answered"] == answered]
+
+    def __enter__(self) -> FakeOpenAI:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._close()
+
+    def _close(self) -> None:
+        if self.thread.is_alive():
+            self.server.shutdown()
+        self.server.server_close()
+
+    def _die(self) -> None:
+        self.dead = True
+        if self.death == "close":
+            threading.Thread(target=self._close, daemon=True).start()
+
+    def _answer(self, body: dict) -> tuple[int, dict]:
+        prompt = body.get("prompt") or body["messages"][-1]["content"]
+        problem = next(p for p in self.problems if p.question in prompt)
+        if self.context is not None and len(prompt.split()) + body["max_tokens"] > self.context:
+            p, m = len(prompt.split()), body["max_tokens"]
+            message = VLLM_028_CONTEXT.format(c=self.context, m=m, p=p, t=p + m)
+            return 400, {"error": {"message": message, "type": "BadRequestError", "code": 400}}
+        text = seeded_response(problem, body.get("seed"))
+        if "messages" in body:
+            return 200, {"choices": [{"message": {"role": "assistant", "content": text}, "finish_reason": "stop"}]}
+        return 200, {"choices": [{"text": text, "finish_reason": "stop"}]}
+
+    def _handler(self) -> type[BaseHTTPRequestHandler]:
+        fake = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args: object) -> None:
+                pass
+
+            def _send(self, code: int, body: dict) -> None:
+                data = json.dumps(body).encode()
+                self.send_response(code)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def do_GET(self) -> None:
+                self._send(200, {"object": "list", "data": [{"id": fake.model, "object": "model"}]})
+
+            def do_POST(self) -> None:
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                time.sleep(fake.delay_s)
+                with fake.lock:
+                    record = {"path": self.path, "seed": body.get("seed"), "answered": False}
+                    fake.requests.append(record)
+                    if not fake.dead and fake.die_after is not None and fake.answered >= fake.die_after:
+                        fake._die()
+                    if fake.dead:
+                        if fake.death == "503":
+                            self._send(503, {"error": "upstream is gone"})
+                        else:
+                            self.close_connection = True  # dropped: the client sees the connection die
+                        return
+                    code, answer = fake._answer(body)
+                    if code == 200:
+                        fake.answered += 1
+                        record["answered"] = True
+                    self._send(code, answer)
+
+        return Handler
+
+
+# ---------------------------------------------------------------------------------------------
+# Helpers
+# ---------------------------------------------------------------------------------------------
+
+N_PROBLEMS, K = 6, 8
+
+
+@pytest.fixture
+def data(tmp_path: Path) -> Path:
+    path = tmp_path / "problems.jsonl"
+    rows = [
+        {"id": f"p{i}", "question": f"Problem {i}: what is {i} squared plus seven?", "answer": i * i + 7}
+        for i in range(N_PROBLEMS)
+    ]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def cli_args(url: str, data: Path, out: Path, *extra: str) -> list[str]:
+    return [
+        "--server",
+        url,
+        "--data",
+        str(data),
+        "--out",
+        str(out),
+        "--k",
+        str(K),
+        "--max-tokens",
+        "64",
+        "--quiet",
+        *extra,
+    ]
+
+
+def run_cli(args: list[str], timeout: float) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "verl_sat.eval", *args], capture_output=True, text=True, timeout=timeout, cwd=REPO
+    )
+
+
+def pairs(out: Path) -> list[tuple[str, int]]:
+    return [(r["problem_id"], r["sample_index"]) for r in read_samples(out / "samples.jsonl")]
+
+
+def all_seeds() -> set[int]:
+    return set(range(N_PROBLEMS * K))  # --seed 0: seed = i * k + j
+
+
+# ---------------------------------------------------------------------------------------------
+# Fail fast, keep what was drawn
+# ---------------------------------------------------------------------------------------------
+
+
+def test_killed_server_makes_the_command_exit_with_one_line_and_keeps_the_samples(data: Path, tmp_path: Path) -> None:
+    """The issue's case, as a user runs it: the server stops listening after 10 answers."""
+    problems = load_problems(data)
+    retry = RetryPolicy(max_retries=2, backoff_s=0.2)
+    out = tmp_path / "out"
+    with FakeOpenAI(problems, die_after=10, death="close") as fake:
+        args = cli_args(fake.url, data, out, "--concurrency", "4", "--max-retries", "2", "--backoff", "0.2")
+        # terminates: start-up, then one request's retry budget and the grace, with a wide margin
+        done = run_cli(args, timeout=START_S + 10 * (retry.budget_s + retry.grace_s))
+    assert done.returncode == 1, done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1, done.stderr
+    line = lines[0]
+    assert line.startswith(f"verl_sat.eval: server {fake.url}/v1, endpoint /completions, problem p")
+    assert "failed after 3 tries; last error" in line and ("Connection refused" in line or "Remote" in line)
+    assert f"; 10 of {N_PROBLEMS * K} samples drawn" in line and "--resume" in line
+    kept = read_samples(out / "samples.jsonl")  # every answered sample on disk, once; nothing else
+    assert len(kept) == 10 == len(set(pairs(out)))
+    assert sorted(r["seed"] for r in kept) == sorted(fake.seeds(answered=True))
+    assert not (out / "summary.json").exists()  # no summary for an unfinished evaluation
+
+
+def test_failing_server_cancels_the_queued_requests(data: Path, tmp_path: Path) -> None:
+    """A proxy answering 503 once its server died: after the death the server sees only the
+    requests that were in flight, each at most max_retries + 1 times; no queued request is sent
+    (without failing fast it would see all 38 remaining requests, 3 times each)."""
+    problems = load_problems(data)
+    concurrency, retries = 4, 2
+    out = tmp_path / "out"
+    with FakeOpenAI(problems, die_after=10, death="503") as fake:
+        args = cli_args(fake.url, data, out, "--concurrency", str(concurrency), "--max-retries", str(retries))
+        with pytest.raises(SystemExit, match=r"HTTP 503: .*; 10 of 48 samples drawn") as info:
+            main([*args, "--backoff", "0.05"])
+    assert "\n" not in str(info.value.code)
+    after_death = len(fake.requests) - fake.answered
+    assert 0 < after_death <= concurrency * (retries + 1)
+    assert len(read_samples(out / "samples.jsonl")) == 10 and not (out / "summary.json").exists()
+
+
+def test_resume_completes_without_redrawing_and_equals_an_uninterrupted_run(data: Path, tmp_path: Path) -> None:
+    problems = load_problems(data)
+    out, reference = tmp_path / "out", tmp_path / "reference"
+    with FakeOpenAI(problems, die_after=13) as dying:
+        with pytest.raises(SystemExit, match="13 of 48 samples drawn"):
+            main(cli_args(dying.url, data, out, "--max-retries", "1", "--backoff", "0.01"))
+    kept_seeds = {r["seed"] for r in read_samples(out / "samples.jsonl")}
+    assert len(kept_seeds) == 13
+    # a fresh run into the same --out would throw them away: refused
+    with FakeOpenAI(problems) as healthy, pytest.raises(SystemExit, match="holds 13 samples .* add --resume"):
+        main(cli_args(healthy.url, data, out))
+    with FakeOpenAI(problems) as healthy:  # restarted elsewhere: the URL may change, the model may not
+        summary = main(cli_args(healthy.url, data, out, "--resume"))
+    assert set(healthy.seeds()) == all_seeds() - kept_seeds and len(healthy.seeds()) == 48 - 13  # none redrawn
+    assert sorted(pairs(out)) == sorted({(p.id, j) for p in problems for j in range(K)})  # exactly k per problem
+    assert [row["n"] for row in summary["per_problem"]] == [K] * N_PROBLEMS
+    assert summary["resumed_from"] == 13
+    with FakeOpenAI(problems) as once:
+        uninterrupted = main(cli_args(once.url, data, reference))
+    assert (out / "samples.jsonl").read_text() == (reference / "samples.jsonl").read_text()
+    assert summary["per_problem"] == uninterrupted["per_problem"] and summary["avg@8"] == uninterrupted["avg@8"]
+    assert json.loads((out / "summary.json").read_text())["pass@k_curve"] == uninterrupted["pass@k_curve"]
+
+
+@pytest.mark.parametrize(
+    ("changed", "key"),
+    [
+        (["--k", "4"], "k"),
+        (["--temperature", "0.7"], "temperature"),
+        (["--max-tokens", "32"], "max_tokens"),
+        (["--seed", "3"], "seed"),
+        (["--limit", "5"], "data"),
+        (["--api", "chat"], "api"),
+        (["--instruction", "Think."], "instruction"),
+    ],
+)
+def test_resume_refuses_other_settings(data: Path, tmp_path: Path, changed: list[str], key: str) -> None:
+    problems = load_problems(data)
+    out = tmp_path / "out"
+    with FakeOpenAI(problems, die_after=5) as dying, pytest.raises(SystemExit):
+        main(cli_args(dying.url, data, out, "--max-retries", "0"))
+    before = (out / "samples.jsonl").read_text()
+    with FakeOpenAI(problems) as healthy:
+        with pytest.raises(SystemExit, match=rf"--resume refused: .* was drawn with {key}=.*this run has {key}="):
+            main([*cli_args(healthy.url, data, out, "--resume"), *changed])
+        assert healthy.requests == []  # nothing drawn
+    assert (out / "samples.jsonl").read_text() == before  # nothing lost
+
+
+def test_resume_refuses_another_model(data: Path, tmp_path: Path) -> None:
+    problems = load_problems(data)
+    out = tmp_path / "out"
+    with FakeOpenAI(problems, die_after=5) as dying, pytest.raises(SystemExit):
+        main(cli_args(dying.url, data, out, "--max-retries", "0"))
+    with FakeOpenAI(problems, model="another-checkpoint") as other:
+        with pytest.raises(SystemExit, match=r"model='fake-model', this run has model='another-checkpoint'"):
+            main(cli_args(other.url, data, out, "--resume"))
+
+
+def test_interrupt_keeps_the_samples(data: Path, tmp_path: Path) -> None:
+    """Ctrl-C (SIGINT) mid-run: exit 130, every line on disk a whole sample, --resume continues."""
+    problems = load_problems(data)
+    out = tmp_path / "out"
+    finished = threading.Event()
+
+    def press_ctrl_c(fake: FakeOpenAI) -> None:
+        while fake.answered < 6 and not finished.is_set():
+            time.sleep(0.01)
+        if not finished.is_set():
+            os.kill(os.getpid(), signal.SIGINT)
+
+    with FakeOpenAI(problems, delay_s=0.1) as slow:  # 42 more answers take >= 2 s: the signal lands mid-run
+        threading.Thread(target=press_ctrl_c, args=(slow,), daemon=True).start()
+        try:
+            with pytest.raises(SystemExit) as info:
+                main(cli_args(slow.url, data, out, "--concurrency", "2"))
+        finally:
+            finished.set()
+    assert info.value.code == 130
+    kept = read_samples(out / "samples.jsonl")
+    assert 0 < len(kept) < N_PROBLEMS * K and not (out / "summary.json").exists()
+    assert {r["seed"] for r in kept} <= set(slow.seeds(answered=True))  # whole samples, as answered
+    with FakeOpenAI(problems) as healthy:
+        summary = main(cli_args(healthy.url, data, out, "--resume"))
+    assert len(healthy.seeds()) == N_PROBLEMS * K - len(kept)
+    assert [row["n"] for row in summary["per_problem"]] == [K] * N_PROBLEMS
+
+
+# ---------------------------------------------------------------------------------------------
+# Errors that retrying cannot fix
+# ---------------------------------------------------------------------------------------------
+
+
+def test_context_too_small_names_the_problem_and_the_fix(data: Path, tmp_path: Path) -> None:
+    problems = load_problems(data)
+    with FakeOpenAI(problems, context=70) as fake:  # prompts are ~40 words: 40 + 64 > 70
+        backend = ServerBackend(fake.url, concurrency=2, max_retries=3, backoff_s=0.01)
+        with pytest.raises(EvalIncomplete) as info:
+            run_eval(problems, backend, SamplingConfig(k=K, max_tokens=64), tmp_path, progress=False)
+    message = str(info.value)
+    assert "\n" not in message and "HTTP 400" in message
+    assert "problem p0 sample" in message and "--max-tokens 64" in message
+    prompt_words = len(prompt_of(problems[0]).split())  # the fake counts words as tokens
+    assert f"pass --max-tokens {70 - prompt_words} or less" in message
+    assert f"--max-model-len {prompt_words + 64}" in message
+    assert len(fake.requests) <= 2  # not retried, nothing sent after it
+    assert backend.retries_used == 0
+
+
+def prompt_of(problem: Problem) -> str:
+    return render_prompt(build_messages(problem))
+
+
+def test_max_tokens_beyond_the_served_context_is_refused_before_any_request(data: Path, tmp_path: Path) -> None:
+    problems = load_problems(data)
+    with FakeOpenAI(problems) as fake:
+        backend = ServerBackend(fake.url)
+        backend.max_model_len = 64  # as vLLM's /v1/models reports it
+        with pytest.raises(EvalIncomplete, match=r"--max-tokens 64 leaves no room .*\(64 tokens"):
+            run_eval(problems, backend, SamplingConfig(k=2, max_tokens=64), tmp_path, progress=False)
+        assert fake.requests == []
+
+
+def test_max_model_len_is_read_from_the_model_list() -> None:
+    class Card(FakeOpenAI):
+        def _handler(self) -> type[BaseHTTPRequestHandler]:
+            base = super()._handler()
+
+            class Handler(base):  # type: ignore[misc, valid-type]
+                def do_GET(self) -> None:
+                    self._send(200, {"data": [{"id": "m", "max_model_len": 1024}]})
+
+            return Handler
+
+    with Card([]) as fake:
+        assert ServerBackend(fake.url).max_model_len == 1024
+        assert ServerBackend(fake.url, model="m").max_model_len == 1024
+
+
+# ---------------------------------------------------------------------------------------------
+# Units
+# ---------------------------------------------------------------------------------------------
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    st.integers(min_value=0, max_value=12),
+    st.floats(min_value=0.0, max_value=10.0),
+    st.floats(min_value=0.0, max_value=1.0),
+    st.integers(min_value=0, max_value=2**32),
+)
+def test_backoff_is_bounded_and_jittered(max_retries: int, backoff: float, jitter: float, seed: int) -> None:
+    policy = RetryPolicy(max_retries=max_retries, backoff_s=backoff, jitter=jitter)
+    rng = random.Random(seed)
+    caps = [policy.max_delay_s(r) for r in range(1, max_retries + 2)]
+    assert all(a <= b for a, b in zip(caps, caps[1:], strict=False))  # never shrinks
+    assert all(c <= policy.backoff_cap_s for c in caps)
+    for retry, cap in enumerate(caps[:-1], start=1):
+        assert (1 - jitter) * cap - 1e-12 <= policy.delay_s(retry, rng) <= cap + 1e-12
+    assert policy.budget_s == pytest.approx(sum(caps[:-1]))
+    assert policy.grace_s == caps[-1]
+
+
+def test_retry_policy_validates() -> None:
+    with pytest.raises(ValueError, match="server.max_retries"):
+        RetryPolicy(max_retries=-1)
+    with pytest.raises(ValueError, match="server.jitter"):
+        RetryPolicy(jitter=2)
+
+
+def test_which_statuses_are_retried() -> None:
+    assert all(is_retryable_status(c) for c in (408, 409, 425, 429, 500, 502, 503, 504, 507, 599))
+    assert not any(is_retryable_status(c) for c in (200, 400, 401, 403, 404, 422))
+
+
+@pytest.mark.parametrize(
+    ("body", "expected"),
+    [
+        (VLLM_028_CONTEXT.format(c=1024, m=2000, p=300, t=2300), "pass --max-tokens 724 or less"),
+        (
+            "This model's maximum context length is 4096 tokens. However, you requested 5000 tokens "
+            "(1000 in the messages, 4000 in the completion).",
+            "pass --max-tokens 3096 or less",
+        ),
+        ("Input length (2000) exceeds model's maximum context length (1024).", "shorten the prompt"),
+        ("max_tokens must not exceed the model's context length", "lower --max-tokens"),
+        ("Invalid model name", None),
+    ],
+)
+def test_context_advice(body: str, expected: str | None) -> None:
+    advice = context_advice(body, 2000)
+    assert advice is None if expected is None else expected in advice
+
+
+def test_torn_last_line_is_dropped(tmp_path: Path) -> None:
+    path = tmp_path / "samples.jsonl"
+    path.write_text('{"problem_id": "a", "sample_index": 0}\n{"problem_id": "a", "sam')
+    assert read_samples(path) == [{"problem_id": "a", "sample_index": 0}]
+    assert path.read_text() == '{"problem_id": "a", "sample_index": 0}\n'  # cut, so appends start clean
+    path.write_text('{"problem_id": "a"}\nnot json\n{"problem_id": "b"}\n')
+    with pytest.raises(ValueError, match="line 2 is not valid JSON"):
+        read_samples(path)
