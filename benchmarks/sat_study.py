@@ -251,21 +251,21 @@ def pick_regime(stats: Sequence[dict[str, Any]]) -> dict[str, Any]:
 
 
 # -- the protocol ------------------------------------------------------------------------------
-def _git(*args: str) -> str:
-    return subprocess.run(["git", "-C", str(REPO), *args], capture_output=True, text=True, check=False).stdout.strip()
+def _git(repo: Path, *args: str) -> str:
+    return subprocess.run(["git", "-C", str(repo), *args], capture_output=True, text=True, check=False).stdout.strip()
 
 
-def protocol_state(path: Path = PROTOCOL) -> dict[str, str]:
+def protocol_state(path: Path = PROTOCOL, repo: Path = REPO) -> dict[str, str]:
     """The protocol's last commit and blob hash; raises unless it is committed and unchanged."""
-    rel = str(path.relative_to(REPO))
+    rel = str(path.relative_to(repo))
     if not path.is_file():
         raise SystemExit(f"[study] {rel} does not exist: write and commit the protocol before a confirmatory run")
-    commit = _git("log", "-1", "--format=%H", "--", rel)
+    commit = _git(repo, "log", "-1", "--format=%H", "--", rel)
     if not commit:
         raise SystemExit(f"[study] {rel} is not committed: commit the protocol before a confirmatory run")
-    if _git("status", "--porcelain", "--", rel):
+    if _git(repo, "status", "--porcelain", "--", rel):
         raise SystemExit(f"[study] {rel} has uncommitted changes: the confirmatory runs follow the committed protocol")
-    return {"protocol_commit": commit, "protocol_blob": _git("hash-object", rel), "protocol_path": rel}
+    return {"protocol_commit": commit, "protocol_blob": _git(repo, "hash-object", rel), "protocol_path": rel}
 
 
 def read_protocol(path: Path = PROTOCOL) -> dict[str, Any]:

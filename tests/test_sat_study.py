@@ -1,0 +1,147 @@
+"""benchmarks/sat_study.py: the search's rule, the protocol gate, the paired analysis, the
+fingerprint, and one tiny study end to end through the worker pool."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def study():
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    spec = importlib.util.spec_from_file_location("sat_study", REPO / "benchmarks" / "sat_study.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["sat_study"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_search_runs_only_baselines_on_seeds_of_its_own(study):
+    specs = study.search_specs()
+    assert {s.arm for s in specs} == set(study.SEARCH["arms"]) == {"gspo", "gspo_r3", "grpo"}
+    assert all(not s.config().sat_enabled for s in specs)
+    assert {s.seed for s in specs} == set(study.SEARCH_SEEDS)
+    assert all(s.config().eval_problems >= 512 for s in specs)
+    assert {s.lag for s in specs} == {1, 8} and all(s.config().steps >= 30 * 8 for s in specs)
+
+
+def stat(tag, arm, lag, seed, acc, initial=0.1, below=0.9, intercepting=0.9, frac=0.01):
+    return {
+        "tag": tag, "arm": arm, "lag": lag, "seed": seed, "heldout_acc": acc, "heldout_acc_initial": initial,
+        "q_below_radius_frac": below, "intercepted_steps_frac": intercepting, "intercepted_frac": frac,
+    }  # fmt: skip
+
+
+def grid(tag, lag1, lag8, **kw):
+    return [
+        stat(tag, arm, lag, seed, acc, **kw)
+        for arm in ("gspo", "gspo_r3")
+        for lag, acc in ((1, lag1), (8, lag8))
+        for seed in (1, 2)
+    ]
+
+
+def test_the_regime_rule_prefers_learning_degrading_and_active(study):
+    stats = grid("a", 0.5, 0.48) + grid("b", 0.5, 0.30) + grid("c", 0.6, 0.20, below=0.1)
+    picked = study.pick_regime(stats)
+    assert picked["picked"] == "b" and picked["why"] == "meets all three"  # c degrades more but SAT is inert there
+    verdicts = {v["tag"]: v for v in picked["verdicts"]}
+    assert verdicts["c"]["degrades"] and not verdicts["c"]["active"] and not verdicts["a"]["degrades"]
+    assert study.pick_regime(grid("a", 0.5, 0.48) + grid("n", 0.15, 0.1))["why"].startswith("learns and SAT")
+    inert = study.pick_regime(grid("x", 0.5, 0.3, below=0.0, frac=0.0) + grid("y", 0.5, 0.3, below=0.0, frac=1e-3))
+    assert inert == {**inert, "picked": "y", "why": "SAT is inert in every setting"}
+
+
+def test_the_paired_analysis(study):
+    diffs = [0.02, 0.05, -0.01, 0.04, 0.03, 0.015]
+    stats = [{"arm": "g", "lag": 8, "seed": k, "tag": "", "acc": 0.5} for k in range(6)]
+    stats += [{"arm": "s", "lag": 8, "seed": k, "tag": "", "acc": 0.5 + d} for k, d in enumerate(diffs)]
+    row = study.paired(stats, "s", "g", 8, "acc")
+    assert row["seeds"] == 6 and row["diff"] == pytest.approx(sum(diffs) / 6)
+    lo, hi = row["ci"]
+    assert lo < row["diff"] < hi and lo > 0  # every difference but one positive: the interval excludes 0
+    assert row["wilcoxon_p"] == pytest.approx(4 / 64)  # W+ = 20 of 21: P(|W+ - 10.5| >= 9.5) = 4/64
+    assert 0 < row["permutation_p"] < 0.1
+    assert study.paired(stats, "s", "g", 1, "acc") is None  # no seeds at that lag
+
+
+def git(repo: Path, *args: str) -> None:
+    subprocess.run(["git", "-C", str(repo), *args], check=True, capture_output=True)
+
+
+def test_a_confirmatory_run_needs_the_committed_unchanged_protocol(study, tmp_path):
+    git(tmp_path, "init", "-q")
+    git(tmp_path, "config", "user.email", "t@t")
+    git(tmp_path, "config", "user.name", "t")
+    protocol = tmp_path / "docs" / "study_protocol.md"
+    with pytest.raises(SystemExit, match="does not exist"):
+        study.protocol_state(protocol, tmp_path)
+    protocol.parent.mkdir()
+    protocol.write_text('# p\n\n```json\n{"stress_lag": 8}\n```\n')
+    with pytest.raises(SystemExit, match="not committed"):
+        study.protocol_state(protocol, tmp_path)
+    git(tmp_path, "add", ".")
+    git(tmp_path, "commit", "-q", "-m", "protocol")
+    state = study.protocol_state(protocol, tmp_path)
+    assert len(state["protocol_commit"]) == 40 and len(state["protocol_blob"]) == 40
+    assert study.read_protocol(protocol) == {"stress_lag": 8}
+    protocol.write_text(protocol.read_text() + "changed\n")
+    with pytest.raises(SystemExit, match="uncommitted changes"):
+        study.protocol_state(protocol, tmp_path)
+
+
+def test_confirmatory_specs_follow_the_protocol(study):
+    protocol = {
+        "settings": {**study.BASE_SETTINGS, "lr": 2e-4, "router_bias_std": 0.5},
+        "checkpoints": [0, 60],
+        "stress_lag": 8,
+        "primary": ["gspo_r3", "sat_gspo_r3"],
+        "primary_seeds": list(range(1001, 1017)),
+        "dose_lags": [1, 2, 8],
+        "dose_seeds": [1001, 1002],
+        "stabilizers": ["gspo_r3_tis", "cispo_r3"],
+        "stabilizer_seeds": [1001],
+    }
+    primary = study.confirmatory_specs(protocol, "primary")
+    assert len(primary) == 32 and {s.lag for s in primary} == {8}
+    cfg = next(s for s in primary if s.arm == "sat_gspo_r3").config()
+    assert cfg.sat_enabled and cfg.routing_replay == "R3" and cfg.lr == 2e-4 and cfg.eval_at == (0, 60)
+    dose = study.confirmatory_specs(protocol, "dose")
+    assert len(dose) == 12 and set(dose) & set(primary)  # lag 8's dose runs are primary runs
+    stabilizers = study.confirmatory_specs(protocol, "stabilizers")
+    assert {s.config().correction for s in stabilizers} == {"tis", "none"}
+    with pytest.raises(ValueError, match="unknown arm"):
+        study.confirmatory_specs({**protocol, "stabilizers": ["ppo"]}, "stabilizers")
+
+
+def test_the_assets_fingerprint_names_the_weights(study, tmp_path):
+    (tmp_path / "a" / "model").mkdir(parents=True)
+    (tmp_path / "a" / "model" / "model.safetensors").write_bytes(b"weights")
+    first = study.assets_fingerprint(tmp_path / "a")
+    (tmp_path / "a" / "model" / "model.safetensors").write_bytes(b"weightz")
+    assert study.assets_fingerprint(tmp_path / "a") != first and len(first) == 16
+
+
+def test_a_tiny_search_end_to_end(study, tmp_path, monkeypatch):
+    """Two worker processes, the quick phase at 3 steps: runs, search.md, CSV, the figure."""
+    from verl_sat.default import model as tiny
+
+    tiny.create(tmp_path / "assets" / "model", seed=0)
+    monkeypatch.setattr(study, "QUICK", {**study.QUICK, "steps": 3, "eval_problems": 8})
+    argv = ["quick", "--jobs", "2", "--out", str(tmp_path / "s"), "--assets", str(tmp_path / "assets")]
+    assert study.main(argv) == 0
+    out = tmp_path / "s"
+    rows = [json.loads(line) for line in (out / "runs" / "quick-sat_gspo_r3-lag8-seed801" / "metrics.jsonl").open()]
+    assert len(rows) == 3 and "eval/heldout_acc" in rows[-1]["data"] and "study/q" in rows[0]["data"]
+    assert "eval/heldout_acc_initial" in rows[0]["data"]
+    assert "quick" in (out / "search.md").read_text() and (out / "working_range.png").stat().st_size > 1000
+    assert len((out / "search_runs.csv").read_text().splitlines()) == 1 + 4
+    assert json.loads((out / "provenance.json").read_text())["assets_fingerprint"]
