@@ -11,8 +11,8 @@ what it does and does not exercise), run on ``--jobs`` worker processes that loa
     python benchmarks/sat_study.py quick --out runs/sat_quick       # <= 10 min: the whole pipeline
     python benchmarks/sat_study.py summarize runs/sat_study         # tables, CSV and figures again
 
-``search`` runs the baselines alone (GSPO, GSPO + R3, GRPO at lags 1 and 8, over learning rates
-and routing mismatches) on seeds that are never used again, and picks the regime by the rule in
+``search`` runs the baselines alone (GSPO and GSPO + R3 at lags 1 and 8, over learning rates
+and routing mismatches) on a seed that is never used again, and picks the regime by the rule in
 ``pick_regime`` (fixed before the search ran). The confirmatory phases read everything they run
 (regime, arms, seeds, horizon, evaluation) from the JSON block of docs/study_protocol.md, and
 refuse to start while that file is uncommitted or changed; each result carries the protocol's
@@ -90,12 +90,15 @@ ARMS: dict[str, dict[str, Any]] = {
 }
 
 # -- the search: baselines alone, on seeds never used again -------------------------------------
-SEARCH_SEEDS = (901, 902)
+SEARCH_SEEDS = (901,)
+# (lr, router_bias_std): a smaller and a larger step size under a small routing mismatch, and the
+# larger one under a stronger mismatch. One seed, no GRPO: at ~1 s per optimizer step on the
+# shared 2-core machine, 240-step runs cost ~4 min each, and the rule below reads GSPO and
+# GSPO + R3 only (GRPO's trouble is not the paper's headline).
 SEARCH = {
-    "arms": ("gspo", "gspo_r3", "grpo"),
+    "arms": ("gspo", "gspo_r3"),
     "lags": (1, 8),
-    "lr": (2e-4, 5e-4),
-    "router_bias_std": (0.5, 1.5),
+    "settings": ((2e-4, 0.5), (5e-4, 0.5), (5e-4, 1.5)),
 }
 BASE_SETTINGS: dict[str, Any] = {
     "steps": 240,  # 30 weight versions at lag 8
@@ -152,10 +155,9 @@ def setting_tag(lr: float, router_bias_std: float) -> str:
 
 def search_specs(seeds: Sequence[int] = SEARCH_SEEDS) -> list[Spec]:
     specs = []
-    for lr in SEARCH["lr"]:
-        for bias in SEARCH["router_bias_std"]:
-            settings = {**BASE_SETTINGS, "lr": lr, "router_bias_std": bias, "eval_at": (0,)}
-            specs += specs_for(SEARCH["arms"], SEARCH["lags"], seeds, settings, setting_tag(lr, bias))
+    for lr, bias in SEARCH["settings"]:
+        settings = {**BASE_SETTINGS, "lr": lr, "router_bias_std": bias, "eval_at": (0,)}
+        specs += specs_for(SEARCH["arms"], SEARCH["lags"], seeds, settings, setting_tag(lr, bias))
     return specs
 
 
