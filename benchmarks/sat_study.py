@@ -660,7 +660,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     else:
         provenance.update(protocol_state())
         protocol = read_protocol()
-        phases = ("primary", "dose", "stabilizers") if args.phase == "confirm" else (args.phase,)
+        phases = ("primary", "stabilizers", "dose") if args.phase == "confirm" else (args.phase,)
         specs = list(dict.fromkeys(s for p in phases for s in confirmatory_specs(protocol, p)))
     print(f"[study] {args.phase}: {len(specs)} runs x {specs[0].config().steps} optimizer steps", flush=True)
     if args.dry_run:
