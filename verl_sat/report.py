@@ -65,6 +65,7 @@ class Run:
     method: str
     lag: int
     metrics: dict[str, dict[int, float]] = field(default_factory=dict)
+    record: dict[str, Any] = field(default_factory=dict)  # run.json (samples, sentinel: docs/faults.md)
 
     def series(self, key: str) -> Series:
         """``[(step, value), ...]`` sorted by step ([] when the run never logged ``key``)."""
@@ -143,7 +144,8 @@ def load_run(path: str | Path) -> Run:
     else:
         method, lag = infer_method_lag(name)
         method, lag = normalize_method(str(meta.get("method", method))), int(meta.get("lag", lag))
-    return Run(name=str(meta.get("name", name)), path=path, method=method, lag=lag, metrics=read_metrics(metrics_path))
+    metrics = read_metrics(metrics_path)
+    return Run(name=str(meta.get("name", name)), path=path, method=method, lag=lag, metrics=metrics, record=meta)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -389,6 +391,34 @@ def write_table_files(rows: Sequence[Row], out: Path, last_n: int) -> None:
         writer.writeheader()
         writer.writerows(records)
     (out / "report.json").write_text(json.dumps({"last_n": last_n, "rows": records}, indent=2) + "\n", encoding="utf-8")
+
+
+def samples_table(runs: Sequence[Run]) -> str:
+    """samples.md: each run's sample accounting and sentinel record from run.json (docs/faults.md)."""
+
+    def n(value: Any) -> str:
+        return "-" if value is None else str(len(value) if isinstance(value, list) else value)
+
+    lines = [
+        "| run | prompts trained | responses | repeated | skipped | lost in flight | in flight at end | "
+        "regenerated | rollbacks | collapsed |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for run in runs:
+        s, sentinel = run.record.get("samples"), run.record.get("sentinel") or {}
+        if s is None:
+            continue
+        collapsed = "yes" if (sentinel.get("verdict") or {}).get("collapsed") else "no"
+        cells = [s.get(k) for k in ("prompts_trained", "responses_trained", "repeated", "skipped")]
+        cells += [s.get(k) for k in ("lost_in_flight", "in_flight_at_end", "regenerated")]
+        cells += [sentinel.get("rollbacks", []), collapsed]
+        lines.append(f"| {run.name} | " + " | ".join(n(c) for c in cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def write_samples_table(runs: Sequence[Run], out: Path) -> None:
+    if any("samples" in run.record for run in runs):
+        (out / "samples.md").write_text(samples_table(runs), encoding="utf-8")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -637,6 +667,7 @@ def main(argv: Sequence[str] | None = None) -> list[Row]:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     write_table_files(rows, out, args.last_n)
+    write_samples_table(runs, out)
     if not args.no_plots:
         write_plots(runs, rows, out, args.smooth, args.acc_key)
     print(format_table1(rows, args.last_n))
