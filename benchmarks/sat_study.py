@@ -283,12 +283,14 @@ def confirmatory_specs(protocol: dict[str, Any], phase: str) -> list[Spec]:
     settings = {**protocol["settings"], "eval_at": tuple(protocol["checkpoints"])}
     lag = protocol["stress_lag"]
     if phase == "primary":
-        return specs_for(protocol["primary"], (lag,), protocol["primary_seeds"], settings)
-    if phase == "dose":
-        return specs_for(protocol["primary"], protocol["dose_lags"], protocol["dose_seeds"], settings)
-    if phase == "stabilizers":
-        return specs_for(protocol["stabilizers"], (lag,), protocol["stabilizer_seeds"], settings)
-    raise ValueError(f"unknown phase {phase!r}")
+        specs = specs_for(protocol["primary"], (lag,), protocol["primary_seeds"], settings)
+    elif phase == "dose":
+        specs = specs_for(protocol["primary"], protocol["dose_lags"], protocol["dose_seeds"], settings)
+    elif phase == "stabilizers":
+        specs = specs_for(protocol["stabilizers"], (lag,), protocol["stabilizer_seeds"], settings)
+    else:
+        raise ValueError(f"unknown phase {phase!r}")
+    return sorted(specs, key=lambda s: (s.seed, s.lag))  # seed-major: a cut-short phase keeps whole pairs
 
 
 def assets_fingerprint(assets: Path) -> str:
