@@ -11,6 +11,7 @@ import copy
 import json
 import os
 import subprocess
+import sys
 from dataclasses import replace
 from pathlib import Path
 
@@ -25,6 +26,9 @@ from verl_sat.preflight import GPU, Facts, Finding, ModelFacts
 REPO = Path(__file__).resolve().parents[1]
 H200 = 141 * 10**9
 QWEN3_30B_BYTES = 61 * 10**9  # 30.5e9 parameters in bfloat16
+# Qwen3-30B-A3B-Base's config.json (max_position_embeddings 32768; tests/fixtures/.../README.md)
+BASE_MODEL_DIR = REPO / "tests/fixtures/qwen3_30b_a3b_base"
+BASE_CONFIG = json.loads((BASE_MODEL_DIR / "config.json").read_text())
 GOOD_SCHEMA = {"data_source": (), "prompt": (), "ability": (), "reward_model": ("ground_truth", "style")}
 
 
@@ -48,15 +52,25 @@ def good_facts(cfg: DictConfig) -> Facts:
     return Facts(
         gpus=tuple(GPU(i, "NVIDIA H200", H200, H200 - 10**9) for i in range(8)),
         cuda_runtime="12.8",
-        versions={"verl": "0.9.1", "sglang": "0.5.12", "megatron-core": "0.16.0", "mbridge": "0.15", "torch": "2.11"},
+        python=(3, 12),
+        versions={
+            "verl": "0.9.1",
+            "sglang": "0.5.12",
+            "megatron-core": "0.17.0",
+            "megatron-bridge": "0.5.2",
+            "transformer-engine": "2.12",
+            "transformers": "5.9.0",
+            "torch": "2.11.0",
+        },
         sglang_pin="0.5.12",
+        megatron_pins={"megatron-bridge": "0.5.2"},
         import_errors={module: None for module in preflight.PROBED_MODULES},
         sglang_server_args=frozenset({"model_path", "mem_fraction_static", preflight.ROUTED_EXPERTS_ARG}),
         checkpoint_engines=frozenset({"naive", "nccl"}),
         cupy_distributions=("cupy-cuda12x",),
         host_mem_available_bytes=1500 * 10**9,
         disk_free_bytes=10 * 10**12,
-        model=ModelFacts("/m", {"max_position_embeddings": 40960, "torch_dtype": "bfloat16"}, QWEN3_30B_BYTES),
+        model=ModelFacts(str(BASE_MODEL_DIR), dict(BASE_CONFIG), QWEN3_30B_BYTES),
         data_schemas={path: dict(GOOD_SCHEMA) for path in files},
         reward_fn_error=None,
     )
@@ -136,17 +150,52 @@ def seed_cupy_for_other_cuda(cfg, facts):
     return cfg, replace(facts, cupy_distributions=("cupy-cuda11x",))
 
 
-def seed_no_mbridge(cfg, facts):
+def seed_no_megatron_bridge(cfg, facts):
+    # vanilla_mbridge=false (verl's default): verl imports megatron.bridge, not mbridge
+    error = "ModuleNotFoundError: No module named 'megatron.bridge'"
+    return cfg, replace(facts, import_errors={**facts.import_errors, "megatron.bridge": error})
+
+
+def seed_no_mbridge_when_vanilla(cfg, facts):
+    set_key(cfg, "actor_rollout_ref.actor.megatron.vanilla_mbridge", True)
     return cfg, replace(facts, import_errors={**facts.import_errors, "mbridge": "ModuleNotFoundError: mbridge"})
 
 
-def seed_short_context(cfg, facts):
-    return cfg, replace(facts, model=replace(facts.model, config={"max_position_embeddings": 32768}))
+def seed_python_311(cfg, facts):
+    return cfg, replace(facts, python=(3, 11))
+
+
+def seed_bridge_built_for_other_transformers(cfg, facts):
+    unmet = ("transformers<5.9.0,>=5.8.1 (5.9.0 installed)",)
+    return cfg, replace(facts, requirement_conflicts={"megatron-bridge": unmet})
+
+
+def seed_use_mbridge_off(cfg, facts):
+    return set_key(cfg, "actor_rollout_ref.actor.megatron.use_mbridge", False), facts
+
+
+def seed_full_32k_response(cfg, facts):
+    # the old recipe: 2047 + 32768 > 32768, the Base model's context
+    return set_key(cfg, "data.max_response_length", 32768), facts
+
+
+def seed_post_trained_max_model_len(cfg, facts):
+    # a max_model_len copied from the post-trained Qwen3-30B-A3B (40960)
+    return set_key(cfg, "actor_rollout_ref.rollout.max_model_len", 40960), facts
+
+
+def seed_r3_padded(cfg, facts):
+    return set_key(cfg, "actor_rollout_ref.model.use_remove_padding", False), facts
 
 
 def seed_small_host(cfg, facts):
     # 30.5e9 × 1.0 × 16 bytes = 488 GB of Adam states on the host
     return cfg, replace(facts, host_mem_available_bytes=256 * 10**9)
+
+
+def seed_host_without_room_for_routes(cfg, facts):
+    # holds the 488 GB optimizer, not the lag-8 buffer of 32768 samples × 25 MiB of routes
+    return cfg, replace(facts, host_mem_available_bytes=1000 * 10**9)
 
 
 def seed_small_disk(cfg, facts):
@@ -179,9 +228,16 @@ SEEDED = [
     (seed_sglang_without_routed_experts, preflight.check_routing_replay, "rollout.enable_rollout_routing_replay"),
     (seed_no_nccl_engine, preflight.check_checkpoint_engine, "checkpoint_engine.backend=nccl"),
     (seed_cupy_for_other_cuda, preflight.check_checkpoint_engine, "cupy-cuda11x"),
-    (seed_no_mbridge, preflight.check_megatron, "mbridge"),
-    (seed_short_context, preflight.check_context_length, "data.max_response_length"),
+    (seed_r3_padded, preflight.check_routing_replay, "actor_rollout_ref.model.use_remove_padding"),
+    (seed_no_megatron_bridge, preflight.check_megatron, "megatron-bridge"),
+    (seed_no_mbridge_when_vanilla, preflight.check_megatron, "vanilla_mbridge=true"),
+    (seed_python_311, preflight.check_megatron, "Python 3.12"),
+    (seed_bridge_built_for_other_transformers, preflight.check_megatron, "transformers<5.9.0"),
+    (seed_use_mbridge_off, preflight.check_megatron, "megatron.use_mbridge"),
+    (seed_full_32k_response, preflight.check_context_length, "data.max_response_length"),
+    (seed_post_trained_max_model_len, preflight.check_context_length, "rollout.max_model_len"),
     (seed_small_host, preflight.check_host_memory, "optimizer_offload_fraction"),
+    (seed_host_without_room_for_routes, preflight.check_host_memory, "R3's routes"),
     (seed_small_disk, preflight.check_disk, "trainer.max_actor_ckpt_to_keep"),
     (seed_data_without_ground_truth, preflight.check_data, "reward_model.ground_truth"),
     (seed_missing_val_file, preflight.check_data, "data.val_files"),
@@ -216,15 +272,98 @@ def test_r3_off_needs_no_routed_experts(tmp_path: Path) -> None:
 
 
 def test_a_longer_context_by_override_config_passes(cfg: DictConfig) -> None:
-    cfg, facts = seed_short_context(cfg, good_facts(cfg))
+    cfg, facts = seed_full_32k_response(cfg, good_facts(cfg))
     set_key(cfg, "actor_rollout_ref.model.override_config", {"max_position_embeddings": 65536})
     assert preflight.check_context_length(cfg, facts) == []
 
 
 def test_the_short_context_fix_names_the_largest_response(cfg: DictConfig) -> None:
-    cfg, facts = seed_short_context(cfg, good_facts(cfg))
+    cfg, facts = seed_full_32k_response(cfg, good_facts(cfg))
     (finding,) = preflight.check_context_length(cfg, facts)
-    assert "lower data.max_response_length to 30720" in finding.message  # 32768 - 2048
+    # verl's SGLang server: max_new_tokens <= max_model_len - len(prompt) - 1 = 32768 - 2047 - 1
+    assert "lower data.max_response_length to 30720" in finding.message
+
+
+def test_the_cell_fills_the_base_models_context_exactly(cfg: DictConfig) -> None:
+    assert BASE_CONFIG["max_position_embeddings"] == 32768 and BASE_CONFIG["rope_scaling"] is None
+    assert cfg.data.max_prompt_length + cfg.data.max_response_length + 1 == 32768
+    set_key(cfg, "data.max_response_length", cfg.data.max_response_length + 1)  # one token more fails
+    assert failures(cfg, good_facts(cfg), preflight.check_context_length)
+
+
+def test_a_model_not_on_this_node_fails_naming_the_download(cfg: DictConfig) -> None:
+    facts = replace(good_facts(cfg), model=ModelFacts())
+    findings = preflight.run_checks(cfg, facts)
+    (context,) = [f for f in findings if f.level == "fail"]
+    assert context.check == "context_length" and context.key == "actor_rollout_ref.model.path"
+    assert "download it first" in context.message and "MODEL_PATH=DIR" in context.message
+    # the size-based estimates say they could not be made (the buffer's routes need config.json)
+    assert {(f.check, f.level) for f in findings if f is not context} == {
+        ("host_memory", "warn"),
+        ("disk", "warn"),
+    }
+
+
+def test_r3_cells_run_packed_and_r3_off_may_pad(tmp_path: Path) -> None:
+    for method in ("sat_gspo_r3", "grpo_tis_r3"):
+        r3 = preflight.resolve_cell(method, 1, run_dir=str(tmp_path))
+        assert r3.actor_rollout_ref.model.use_remove_padding is True
+        assert r3.actor_rollout_ref.actor.megatron.use_remove_padding is True
+        assert preflight.check_r3_padding(r3) == []
+    plain = preflight.resolve_cell("sat_gspo", 1, run_dir=str(tmp_path))
+    set_key(plain, "actor_rollout_ref.model.use_remove_padding", False)
+    assert preflight.check_r3_padding(plain) == []
+
+
+def test_the_bridge_is_the_one_verl_imports(cfg: DictConfig) -> None:
+    # verl 0.9.1's defaults: use_mbridge=true, vanilla_mbridge=false -> megatron.bridge
+    assert cfg.actor_rollout_ref.actor.megatron.use_mbridge is True
+    assert cfg.actor_rollout_ref.actor.megatron.vanilla_mbridge is False
+    assert preflight.bridge_module(cfg) == "megatron.bridge"
+    # with megatron.bridge importable, a missing mbridge is no failure (verl does not import it)
+    facts = replace(good_facts(cfg), import_errors={**good_facts(cfg).import_errors, "mbridge": "missing"})
+    assert failures(cfg, facts, preflight.check_megatron) == []
+    assert preflight.bridge_module(set_key(cfg, "actor_rollout_ref.actor.megatron.vanilla_mbridge", True)) == "mbridge"
+
+
+def test_a_bridge_other_than_verls_pin_is_named(cfg: DictConfig) -> None:
+    facts = replace(good_facts(cfg), versions={**good_facts(cfg).versions, "megatron-bridge": "0.6.0"})
+    (finding,) = preflight.check_megatron(cfg, facts)
+    assert finding.level == "warn" and "megatron-bridge 0.6.0" in finding.message
+    assert "megatron-bridge==0.5.2" in finding.message
+
+
+def test_host_estimate_includes_rollout_buffer_and_routes(cfg: DictConfig) -> None:
+    # lag 8: 2048 prompts a global step; num_warmup_batches 1/8 of a 2048 batch fetched per 2048
+    # prompts rounds down to no warm-up (verl's _add_async_warmup_batches)
+    assert preflight.buffered_prompts(cfg) == 2048
+    prompt, response = 2047, 30720
+    layers, top_k = BASE_CONFIG["num_hidden_layers"], BASE_CONFIG["num_experts_per_tok"]
+    routes_per_sample = (prompt + response) * layers * top_k * 2  # int16 ids
+    per_sample = (prompt + response) * 3 * 8 + response * (2 * 8 + 4) + routes_per_sample
+    buffer = preflight.rollout_buffer_bytes(cfg, BASE_CONFIG)
+    assert buffer == {
+        "samples": 2048 * 16,
+        "per_sample": per_sample,
+        "routes": 2048 * 16 * routes_per_sample,
+        "total": 2048 * 16 * per_sample,
+    }
+    assert round(buffer["routes"] / 2**30) == 768  # 32768 samples × 24 MiB of routes (32k tokens × 768 B)
+    # R3 off: no routes
+    plain = copy.deepcopy(cfg)
+    set_key(plain, "actor_rollout_ref.rollout.enable_rollout_routing_replay", False)
+    assert preflight.rollout_buffer_bytes(plain, BASE_CONFIG)["routes"] == 0
+    # a warm-up that fills whole fetches counts (gen_batch_size 256: one mini-batch ahead)
+    set_key(plain, "data.gen_batch_size", 256)
+    assert preflight.buffered_prompts(plain) == 2048 + 256
+
+
+def test_host_check_counts_optimizer_plus_buffer(cfg: DictConfig) -> None:
+    params = QWEN3_30B_BYTES // 2
+    need = preflight.host_optimizer_bytes(cfg, params) + preflight.rollout_buffer_bytes(cfg, BASE_CONFIG)["total"]
+    assert failures(cfg, replace(good_facts(cfg), host_mem_available_bytes=need), preflight.check_host_memory) == []
+    (short,) = failures(cfg, replace(good_facts(cfg), host_mem_available_bytes=need - 1), preflight.check_host_memory)
+    assert "rollout buffer 32768 samples" in short.message and short.key == "data.max_response_length"
 
 
 def test_host_estimate_follows_the_formula(cfg: DictConfig) -> None:
@@ -235,10 +374,12 @@ def test_host_estimate_follows_the_formula(cfg: DictConfig) -> None:
     assert preflight.host_optimizer_bytes(cfg, params) == params * 0.5 * 14
 
 
-def test_no_offload_no_host_check(cfg: DictConfig) -> None:
+def test_no_offload_counts_only_the_rollout_buffer(cfg: DictConfig) -> None:
     set_key(cfg, "actor_rollout_ref.actor.optim.override_optimizer_config.optimizer_cpu_offload", False)
-    facts = replace(good_facts(cfg), host_mem_available_bytes=1)
-    assert preflight.check_host_memory(cfg, facts) == []
+    buffer = preflight.rollout_buffer_bytes(cfg, BASE_CONFIG)["total"]
+    assert preflight.check_host_memory(cfg, replace(good_facts(cfg), host_mem_available_bytes=buffer)) == []
+    (short,) = preflight.check_host_memory(cfg, replace(good_facts(cfg), host_mem_available_bytes=buffer - 1))
+    assert "offloaded optimizer" not in short.message and "rollout buffer" in short.message
 
 
 def test_unset_keep_counts_every_checkpoint(cfg: DictConfig) -> None:
@@ -247,10 +388,11 @@ def test_unset_keep_counts_every_checkpoint(cfg: DictConfig) -> None:
     assert preflight.kept_checkpoints(cfg) == 14  # 68 global steps, a save every 5
 
 
-def test_an_unknown_model_size_warns_instead_of_passing_silently(cfg: DictConfig) -> None:
-    facts = replace(good_facts(cfg), model=ModelFacts())
+def test_unknown_weights_warn_instead_of_passing_silently(cfg: DictConfig) -> None:
+    # config.json present, weights not (as in the fixture directory): context checked, sizes not
+    facts = replace(good_facts(cfg), model=replace(good_facts(cfg).model, weight_bytes=None))
     findings = preflight.run_checks(cfg, facts)
-    assert {f.check for f in findings} == {"context_length", "host_memory", "disk"}
+    assert {f.check for f in findings} == {"host_memory", "disk"}
     assert all(f.level == "warn" for f in findings)
 
 
@@ -260,6 +402,27 @@ def test_an_unknown_model_size_warns_instead_of_passing_silently(cfg: DictConfig
 def test_sglang_pin_is_the_one_installed_verl_declares() -> None:
     _, pin, _ = preflight.probe_versions()
     assert pin == preflight.SGLANG_FOR_VERL
+
+
+def test_megatron_bridge_pin_is_the_one_installed_verl_declares() -> None:
+    assert preflight.probe_megatron_pins()["megatron-bridge"] == preflight.MEGATRON_BRIDGE_FOR_VERL
+
+
+def test_unmet_requirements_name_the_mismatch() -> None:
+    # megatron-bridge 0.5.1's METADATA against verl's sglang extra (transformers==5.9.0)
+    requires = [
+        "transformers<5.9.0,>=5.8.1",
+        "megatron-core[dev,mlm]",
+        "torch>=2.6.0",
+        'transformer-engine[core_cu13,pytorch]; extra == "te"',
+        "einops",
+    ]
+    installed = {"transformers": "5.9.0", "megatron-core": "0.17.0", "torch": "2.11.0", "transformer-engine": "1.0"}
+    watched = ("transformers", "megatron-core", "torch", "transformer-engine")
+    assert preflight.unmet_requirements(requires, installed, watched) == (
+        "transformers<5.9.0,>=5.8.1 (5.9.0 installed)",
+    )
+    assert preflight.unmet_requirements(requires, {**installed, "transformers": "5.8.1"}, watched) == ()
 
 
 def test_probe_data_reads_columns_from_the_schema(tmp_path: Path) -> None:
@@ -289,6 +452,11 @@ def test_probe_reward_loads_as_verl_does(tmp_path: Path) -> None:
     assert "score" in preflight.probe_reward(wrong)
     default = OmegaConf.create({"reward": {"custom_reward_function": {"path": None, "name": "compute_score"}}})
     assert preflight.probe_reward(default) is None
+
+
+def test_probe_model_reads_the_base_models_config_dir() -> None:
+    model = preflight.probe_model(str(BASE_MODEL_DIR))
+    assert model.config["max_position_embeddings"] == 32768 and model.weight_bytes is None
 
 
 def test_probe_model_reads_a_local_dir_without_downloading(tmp_path: Path) -> None:
@@ -328,13 +496,47 @@ def test_main_exit_code_summary_and_json(capsys: pytest.CaptureFixture[str], tmp
     assert report["facts"]["sglang_server_args"] is True
 
 
-def run_sh(tmp_path: Path, **env: str) -> list[str]:
+def test_main_leaves_hydras_flags_to_hydra(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    args = ["sat_gspo_r3", "8", "--cfg", "job", "--run-dir", str(tmp_path), "data.train_files=/d/t.parquet"]
+    assert preflight.main([*args, "--resolve", "--info", "defaults"], probe_fn=good_facts) == 0
+    captured = capsys.readouterr()
+    assert "passed: 0 failure(s)" in captured.out
+    assert "left to Hydra: --cfg job --resolve --info defaults" in captured.err
+    assert preflight.split_hydra_flags(["m", "1", "-c", "hydra", "a=b", "-m"]) == (
+        ["m", "1", "a=b"],
+        ["-c", "hydra", "-m"],
+    )
+
+
+def test_done_when_the_preflight_on_the_base_models_config_dir(tmp_path: Path) -> None:
+    # The issue's command on this CPU node: no GPUs and no weights, but no context-length failure.
+    cmd = [
+        sys.executable,
+        "-m",
+        "verl_sat.preflight",
+        "sat_gspo_r3",
+        "8",
+        f"actor_rollout_ref.model.path={BASE_MODEL_DIR}",
+        f"data.train_files={tmp_path}/train.parquet",
+        "--json",
+        "--cfg",
+        "job",
+    ]
+    out = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path)
+    report = json.loads(out.stdout)
+    assert out.returncode == 1 and not report["ok"]  # this node has no GPUs
+    assert not [f for f in report["findings"] if f["check"] == "context_length"], report["findings"]
+    assert report["facts"]["model"]["config"]["max_position_embeddings"] == 32768
+    assert any(f["check"] == "gpu_count" and f["level"] == "fail" for f in report["findings"])
+
+
+def run_sh(tmp_path: Path, *extra: str, **env: str) -> list[str]:
     """run.sh's DRY_RUN lines, with a stand-in interpreter answering its `--overrides` call."""
     fake_python = tmp_path / "python"
     fake_python.write_text("#!/usr/bin/env bash\nprintf '%s\\n' algorithm=grpo\n")
     fake_python.chmod(0o755)
     env = dict(os.environ, DRY_RUN="1", PYTHON=str(fake_python), RUNS_ROOT=str(tmp_path), DATA_DIR="/d", **env)
-    cmd = ["bash", str(REPO / "recipes/sat_paper/run.sh"), "grpo", "1", "trainer.logger=[console]"]
+    cmd = ["bash", str(REPO / "recipes/sat_paper/run.sh"), "grpo", "1", "trainer.logger=[console]", *extra]
     return subprocess.run(cmd, env=env, capture_output=True, text=True, check=True).stdout.splitlines()
 
 
@@ -346,6 +548,12 @@ def test_run_sh_runs_the_preflight_before_the_launch(tmp_path: Path) -> None:
     assert "data.train_files=/d/train.parquet" in words and words[-1] == "trainer.logger=[console]"
     assert "-m verl_sat.main" in launch
     assert run_sh(tmp_path, SAT_SKIP_PREFLIGHT="1") == [launch]
+
+
+@pytest.mark.parametrize("flag", [["--cfg", "job"], ["-c", "all"], ["--info"], ["--hydra-help"], ["--help"]])
+def test_run_sh_skips_the_preflight_when_hydra_only_prints(tmp_path: Path, flag: list[str]) -> None:
+    (launch,) = run_sh(tmp_path, *flag)
+    assert "-m verl_sat.main" in launch and launch.endswith(" ".join(flag))
 
 
 def test_module_imports_nothing_heavy() -> None:

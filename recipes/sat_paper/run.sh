@@ -5,7 +5,10 @@
 #   recipes/sat_paper/run.sh sat_gspo_r3 8
 #   DRY_RUN=1 recipes/sat_paper/run.sh grpo 1      # print the commands instead of running them
 #   SAT_SKIP_PREFLIGHT=1 recipes/sat_paper/run.sh grpo 1   # launch without python -m verl_sat.preflight
+#   recipes/sat_paper/run.sh sat_gspo_r3 8 --cfg job     # print the composed config (no GPU needed)
 #
+# Hydra's print-only flags (--cfg/-c, --info/-i, --help/-h, --hydra-help) launch nothing, so they
+# skip the preflight and create no run directory.
 # Methods and lags: python -m verl_sat.recipes --list. Everything the run writes goes to
 # ${RUNS_ROOT}/<method>-lag<lag>/ (checkpoints/, validation/, metrics.jsonl, hydra/).
 set -euo pipefail
@@ -31,11 +34,17 @@ PATHS=(
 )
 export VERL_FILE_LOGGER_PATH=${RUN_DIR}/metrics.jsonl
 export CUDA_DEVICE_MAX_CONNECTIONS=1
-[[ -n ${DRY_RUN:-} ]] || mkdir -p "${RUN_DIR}"
+PRINT_ONLY=
+for arg in "$@"; do
+    case "${arg}" in
+        --cfg | --cfg=* | -c | --info | --info=* | -i | --help | -h | --hydra-help) PRINT_ONLY=1 ;;
+    esac
+done
+[[ -n ${DRY_RUN:-}${PRINT_ONLY} ]] || mkdir -p "${RUN_DIR}"
 
 # GPUs, packages, context length, memory, disk, data and reward against this cell (seconds).
-[[ -n ${SAT_SKIP_PREFLIGHT:-} ]] || ${DRY_RUN:+echo} "${PYTHON}" -m verl_sat.preflight "${METHOD}" "${LAG}" \
-    --run-dir "${RUN_DIR}" "${PATHS[@]}" "$@"
+[[ -n ${SAT_SKIP_PREFLIGHT:-}${PRINT_ONLY} ]] || ${DRY_RUN:+echo} "${PYTHON}" -m verl_sat.preflight \
+    "${METHOD}" "${LAG}" --run-dir "${RUN_DIR}" "${PATHS[@]}" "$@"
 
 ${DRY_RUN:+echo} "${PYTHON}" -m verl_sat.main \
     --config-path "${REPO_ROOT}/hydra_configs" \

@@ -1,6 +1,7 @@
 """Preflight: check a cell of the paper's grid against the node it is about to run on (SPEC §7).
 
 ``python -m verl_sat.preflight <method> <lag> [--run-dir DIR] [--json] [hydra overrides...]``
+(Hydra's own flags such as ``--cfg job`` among the overrides are left to Hydra)
 resolves the cell exactly as ``recipes/sat_paper/run.sh`` launches it (``verl_sat.recipes``
 composes it, then ``verl_sat.schedule`` maps ``sat.lag`` / ``sat.routing_replay`` onto verl's keys
 as ``verl_sat.main`` does), gathers the node's facts once (``probe``) and runs pure checks
@@ -30,6 +31,7 @@ from verl_sat.preflight.checks import (
     check_host_memory,
     check_megatron,
     check_parallel_layout,
+    check_r3_padding,
     check_reward_function,
     check_routing_replay,
     check_versions,
@@ -38,9 +40,12 @@ from verl_sat.preflight.checks import (
 from verl_sat.preflight.cli import (
     main,
     resolve_cell,
+    split_hydra_flags,
 )
 from verl_sat.preflight.facts import (
+    BRIDGES,
     GPU,
+    MEGATRON_BRIDGE_FOR_VERL,
     PROBED_MODULES,
     ROUTED_EXPERTS_ARG,
     SGLANG_FOR_VERL,
@@ -49,30 +54,39 @@ from verl_sat.preflight.facts import (
     Finding,
     ModelFacts,
     as_list,
+    bridge_module,
+    buffered_prompts,
     checkpoint_bytes,
     host_optimizer_bytes,
     kept_checkpoints,
     param_count,
+    rollout_buffer_bytes,
 )
 from verl_sat.preflight.probe import (
     probe,
     probe_data,
+    probe_megatron_pins,
     probe_model,
     probe_reward,
     probe_versions,
+    unmet_requirements,
 )
 
 __all__ = [
+    "BRIDGES",
     "CHECKS",
     "Facts",
     "Finding",
     "GPU",
+    "MEGATRON_BRIDGE_FOR_VERL",
     "ModelFacts",
     "PROBED_MODULES",
     "ROUTED_EXPERTS_ARG",
     "SGLANG_FOR_VERL",
     "VERL_VERSION",
     "as_list",
+    "bridge_module",
+    "buffered_prompts",
     "check_checkpoint_engine",
     "check_context_length",
     "check_data",
@@ -82,6 +96,7 @@ __all__ = [
     "check_host_memory",
     "check_megatron",
     "check_parallel_layout",
+    "check_r3_padding",
     "check_reward_function",
     "check_routing_replay",
     "check_versions",
@@ -92,9 +107,13 @@ __all__ = [
     "param_count",
     "probe",
     "probe_data",
+    "probe_megatron_pins",
     "probe_model",
     "probe_reward",
     "probe_versions",
     "resolve_cell",
+    "rollout_buffer_bytes",
     "run_checks",
+    "split_hydra_flags",
+    "unmet_requirements",
 ]

@@ -10,7 +10,10 @@ from typing import Any
 from omegaconf import DictConfig
 
 from verl_sat.preflight.facts import (
+    BRIDGES,
     MEGATRON,
+    MEGATRON_BRIDGE_FOR_VERL,
+    MEGATRON_BRIDGE_PYTHON,
     OPTIM,
     ROLLOUT,
     ROUTED_EXPERTS_ARG,
@@ -20,6 +23,7 @@ from verl_sat.preflight.facts import (
     Finding,
     adam_bytes_per_param,
     as_list,
+    bridge_module,
     checkpoint_bytes,
     dtype_bytes,
     get,
@@ -30,6 +34,7 @@ from verl_sat.preflight.facts import (
     megatron_layout,
     optimizer_offload_fraction,
     param_count,
+    rollout_buffer_bytes,
     rollout_pool_gpus,
     rollout_replica_gpus,
     trainer_gpu_bytes,
@@ -206,13 +211,36 @@ def check_versions(cfg: DictConfig, facts: Facts) -> list[Finding]:
     return out
 
 
-def check_routing_replay(cfg: DictConfig, facts: Facts) -> list[Finding]:
-    """R3 on: SGLang's ServerArgs accepts ``enable_return_routed_experts``."""
-    if not uses_r3(cfg) or str(get(cfg, f"{ROLLOUT}.name", "")) != "sglang":
+# The keys whose false value makes verl's Megatron engine pad the batch (bshd), where R3 fails with
+# "Router replay tensors are not aligned": verl's engine workers copy the model's key onto the
+# engine config (engine_workers.py), the engine's own key is the same setting.
+REMOVE_PADDING_KEYS = ("actor_rollout_ref.model.use_remove_padding", f"{MEGATRON}.use_remove_padding")
+
+
+def check_r3_padding(cfg: DictConfig) -> list[Finding]:
+    """R3 on Megatron runs only on packed sequences (remove-padding on)."""
+    if not uses_r3(cfg) or str(get(cfg, "actor_rollout_ref.actor.strategy", "")) != "megatron":
         return []
+    return [
+        Finding(
+            "routing_replay",
+            key,
+            f"{key}=false with R3: verl's Megatron engine then pads the batch and router replay fails "
+            f'("Router replay tensors are not aligned"); set {key}=true (stabilizer=r3 / tis_r3 do)',
+        )
+        for key in REMOVE_PADDING_KEYS
+        if not bool(get(cfg, key, True))
+    ]
+
+
+def check_routing_replay(cfg: DictConfig, facts: Facts) -> list[Finding]:
+    """R3 on: remove-padding on (Megatron), SGLang's ServerArgs accepts ``enable_return_routed_experts``."""
+    padding = check_r3_padding(cfg)
+    if not uses_r3(cfg) or str(get(cfg, f"{ROLLOUT}.name", "")) != "sglang":
+        return padding
     if facts.sglang_server_args is None:
         error = facts.import_errors.get("sglang.srt.server_args") or "not importable"
-        return [
+        return padding + [
             Finding(
                 "routing_replay",
                 f"{ROLLOUT}.enable_rollout_routing_replay",
@@ -221,7 +249,7 @@ def check_routing_replay(cfg: DictConfig, facts: Facts) -> list[Finding]:
             )
         ]
     if ROUTED_EXPERTS_ARG not in facts.sglang_server_args:
-        return [
+        return padding + [
             Finding(
                 "routing_replay",
                 f"{ROLLOUT}.enable_rollout_routing_replay",
@@ -229,7 +257,7 @@ def check_routing_replay(cfg: DictConfig, facts: Facts) -> list[Finding]:
                 f"routed experts); install sglang=={facts.sglang_pin or SGLANG_FOR_VERL} or turn R3 off",
             )
         ]
-    return []
+    return padding
 
 
 def cupy_cuda_major(distribution: str) -> str | None:
@@ -282,13 +310,74 @@ def check_checkpoint_engine(cfg: DictConfig, facts: Facts) -> list[Finding]:
     return out
 
 
+MEGATRON_INSTALL = "docs/reproduce.md, 'A working set on the GPU node'"
+
+
+def bridge_findings(cfg: DictConfig, facts: Facts) -> list[Finding]:
+    """The bridge verl's Megatron engine imports under this cell's settings, its Python and pins."""
+    module = bridge_module(cfg)
+    package = BRIDGES[module]
+    setting = f"{MEGATRON}.vanilla_mbridge={str(module == 'mbridge').lower()}"
+    out = []
+    if not bool(get(cfg, f"{MEGATRON}.use_mbridge", True)):
+        out.append(
+            Finding(
+                "megatron",
+                f"{MEGATRON}.use_mbridge",
+                f"{MEGATRON}.use_mbridge=false: verl 0.9.1's Megatron engine asserts use_mbridge "
+                "(it builds the model through a bridge); set it to true",
+            )
+        )
+    if module == "megatron.bridge" and facts.python < MEGATRON_BRIDGE_PYTHON:
+        have, need = ".".join(map(str, facts.python)), ".".join(map(str, MEGATRON_BRIDGE_PYTHON))
+        out.append(
+            Finding(
+                "megatron",
+                "python",
+                f"Python {have}: with {setting} (verl's default) verl imports megatron.bridge, and "
+                f"Megatron-Bridge needs Python {need} (Requires-Python >={need},<3.13); use a Python {need} "
+                f"environment ({MEGATRON_INSTALL})",
+            )
+        )
+    error = facts.import_errors.get(module, "not probed")
+    if error is not None:
+        out.append(
+            Finding(
+                "megatron",
+                package,
+                f"{module} does not import ({error}); with {setting} verl's Megatron engine imports it "
+                f"(from {module} import AutoBridge): install {package} ({MEGATRON_INSTALL})",
+            )
+        )
+    pin = facts.megatron_pins.get(package) or (MEGATRON_BRIDGE_FOR_VERL if package == "megatron-bridge" else None)
+    have = facts.versions.get(package)
+    if pin and have and have != pin:
+        out.append(
+            Finding(
+                "megatron",
+                package,
+                f"{package} {have}; verl {VERL_VERSION}'s megatron extra pins {package}=={pin}",
+                level="warn",
+            )
+        )
+    for unmet in facts.requirement_conflicts.get(package, ()):
+        out.append(
+            Finding(
+                "megatron",
+                package,
+                f"{package} {have} requires {unmet}: install the versions it declares, or a {package} "
+                f"built for them ({MEGATRON_INSTALL})",
+            )
+        )
+    return out
+
+
 def check_megatron(cfg: DictConfig, facts: Facts) -> list[Finding]:
-    """megatron-core imports; mbridge when ``use_mbridge``; TransformerEngine for the precision-aware Adam."""
+    """megatron-core imports; the bridge verl imports (``bridge_module``) imports, on its Python,
+    against the versions it declares; TransformerEngine for the precision-aware Adam."""
     if str(get(cfg, "actor_rollout_ref.actor.strategy", "")) != "megatron":
         return []
     needs = {"megatron.core": ("megatron-core", "actor_rollout_ref.actor.strategy=megatron")}
-    if bool(get(cfg, f"{MEGATRON}.use_mbridge", False)):
-        needs["mbridge"] = ("mbridge", f"{MEGATRON}.use_mbridge=true")
     if bool(get(cfg, f"{OPTIM}.use_precision_aware_optimizer", False)):
         needs["transformer_engine"] = ("transformer-engine", f"{OPTIM}.use_precision_aware_optimizer=true")
     out = []
@@ -299,11 +388,10 @@ def check_megatron(cfg: DictConfig, facts: Facts) -> list[Finding]:
                 Finding(
                     "megatron",
                     package,
-                    f"{module} does not import ({error}); {why} needs it: "
-                    f"pip install 'verl[megatron]=={VERL_VERSION}' (it pulls {package})",
+                    f"{module} does not import ({error}); {why} needs it: install {package} ({MEGATRON_INSTALL})",
                 )
             )
-    return out
+    return out + bridge_findings(cfg, facts)
 
 
 def max_position_embeddings(cfg: DictConfig, config: dict[str, Any]) -> int | None:
@@ -316,43 +404,42 @@ def max_position_embeddings(cfg: DictConfig, config: dict[str, Any]) -> int | No
     return None if value is None else int(value)
 
 
+DOWNLOAD_FIX = (
+    "download it first (huggingface-cli download {path} --local-dir DIR) and point the launch at it "
+    "(run.sh: MODEL_PATH=DIR, i.e. actor_rollout_ref.model.path=DIR)"
+)
+
+
 def check_context_length(cfg: DictConfig, facts: Facts) -> list[Finding]:
-    """prompt + response <= the model's max_position_embeddings (SGLang's max_model_len cap)."""
+    """prompt + response + 1 <= SGLang's max_model_len (null: the model's max_position_embeddings).
+
+    verl's SGLang server clamps a request's max_new_tokens to max_model_len - len(prompt) - 1
+    (async_sglang_server.py), so a longer budget silently cuts the longest responses. A model
+    that is not on this node fails: its context cannot be checked, and the launch would download
+    a model whose config nobody read.
+    """
     path = get(cfg, "actor_rollout_ref.model.path", "")
     if facts.model.config is None:
         return [
             Finding(
                 "context_length",
                 "actor_rollout_ref.model.path",
-                f"no local config.json for {path} (local "
-                "directory or Hugging Face cache); download the model first to check max_position_embeddings",
-                level="warn",
+                f"no local config.json for {path} (local directory or Hugging Face cache), so its context "
+                f"cannot be checked against the responses; {DOWNLOAD_FIX.format(path=path)}",
             )
         ]
     limit = max_position_embeddings(cfg, facts.model.config)
-    prompt, response = int(get(cfg, "data.max_prompt_length", 0)), int(get(cfg, "data.max_response_length", 0))
-    out = []
     if limit is None:
         return [
             Finding(
                 "context_length",
                 "actor_rollout_ref.model.path",
-                f"{facts.model.source}/config.json has no max_position_embeddings",
-                level="warn",
+                f"{facts.model.source}/config.json has no max_position_embeddings; verl's SGLang server "
+                "needs it (get_max_position_embeddings)",
             )
         ]
-    if prompt + response > limit:
-        out.append(
-            Finding(
-                "context_length",
-                "data.max_response_length",
-                f"data.max_prompt_length + data.max_response_length = {prompt} + {response} = {prompt + response} > "
-                f"max_position_embeddings {limit} of {facts.model.source}/config.json: SGLang caps max_model_len "
-                f"there and silently cuts responses; lower data.max_response_length to {limit - prompt} or extend "
-                "the context (actor_rollout_ref.model.override_config: rope_scaling + max_position_embeddings)",
-            )
-        )
     max_model_len = get(cfg, f"{ROLLOUT}.max_model_len")
+    out = []
     if max_model_len is not None and int(max_model_len) > limit:
         out.append(
             Finding(
@@ -360,6 +447,21 @@ def check_context_length(cfg: DictConfig, facts: Facts) -> list[Finding]:
                 f"{ROLLOUT}.max_model_len",
                 f"{ROLLOUT}.max_model_len={max_model_len} > "
                 f"max_position_embeddings {limit} (verl's SGLang server refuses it); set it <= {limit} or null",
+            )
+        )
+    cap = limit if max_model_len is None else min(int(max_model_len), limit)
+    prompt, response = int(get(cfg, "data.max_prompt_length", 0)), int(get(cfg, "data.max_response_length", 0))
+    if prompt + response + 1 > cap:
+        out.append(
+            Finding(
+                "context_length",
+                "data.max_response_length",
+                f"data.max_prompt_length + data.max_response_length + 1 = {prompt} + {response} + 1 > {cap} "
+                f"(SGLang's max_model_len: max_position_embeddings of {facts.model.source}/config.json"
+                + ("" if max_model_len is None else f", {ROLLOUT}.max_model_len")
+                + f"): verl caps a response at max_model_len - len(prompt) - 1 and silently cuts the longest; "
+                f"lower data.max_response_length to {cap - prompt - 1} or extend the context for both engines "
+                "(actor_rollout_ref.model.override_config: rope_scaling + max_position_embeddings; docs/reproduce.md)",
             )
         )
     return out
@@ -375,26 +477,50 @@ def unknown_size(check: str) -> Finding:
 
 
 def check_host_memory(cfg: DictConfig, facts: Facts) -> list[Finding]:
-    """Available host memory >= the offloaded optimizer's estimate (``host_optimizer_bytes``)."""
+    """Available host memory >= the offloaded optimizer (``host_optimizer_bytes``) + TransferQueue's
+    rollout buffer at its largest, R3's routes included (``rollout_buffer_bytes``)."""
+    if facts.host_mem_available_bytes is None:
+        return []
     params = param_count(facts)
     fraction = optimizer_offload_fraction(cfg)
-    if fraction <= 0 or facts.host_mem_available_bytes is None:
-        return []
-    if params is None:
-        return [unknown_size("host_memory")]
-    need = host_optimizer_bytes(cfg, params)
-    if facts.host_mem_available_bytes < need:
-        per = adam_bytes_per_param(cfg, bool(get(cfg, f"{OPTIM}.override_optimizer_config.optimizer_cpu_offload")))
-        return [
+    buffer = rollout_buffer_bytes(cfg, facts.model.config)
+    out = []
+    if fraction > 0 and params is None:
+        out.append(unknown_size("host_memory"))
+    if buffer is None:
+        out.append(
             Finding(
                 "host_memory",
-                f"{OPTIM}.override_optimizer_config.optimizer_offload_fraction",
-                f"the offloaded optimizer needs params × fraction × bytes = {params / 1e9:.1f}e9 × {fraction} × {per} "
-                f"= {gib(need)} of host memory, {gib(facts.host_mem_available_bytes)} available; use a node with "
-                f"more memory or lower {OPTIM}.override_optimizer_config.optimizer_offload_fraction",
+                "actor_rollout_ref.model.path",
+                "R3's routes not estimated: config.json has no num_hidden_layers / num_experts_per_tok",
+                level="warn",
             )
-        ]
-    return []
+        )
+    optimizer = host_optimizer_bytes(cfg, params) if fraction > 0 and params is not None else 0
+    held = buffer["total"] if buffer else 0
+    if facts.host_mem_available_bytes >= optimizer + held:
+        return out
+    per = adam_bytes_per_param(cfg, bool(get(cfg, f"{OPTIM}.override_optimizer_config.optimizer_cpu_offload")))
+    parts = []
+    if optimizer:
+        parts.append(f"offloaded optimizer {params / 1e9:.1f}e9 params × {fraction} × {per} B = {gib(optimizer)}")
+    if buffer:
+        parts.append(
+            f"rollout buffer {buffer['samples']} samples (data.train_batch_size + warm-up, × rollout.n) × "
+            f"{buffer['per_sample'] / 2**20:.1f} MiB at full length = {gib(held)}, of which R3's routes "
+            f"{gib(buffer['routes'])}"
+        )
+    fraction_key = f"{OPTIM}.override_optimizer_config.optimizer_offload_fraction"
+    key = fraction_key if optimizer > held else "data.max_response_length"
+    return out + [
+        Finding(
+            "host_memory",
+            key,
+            f"{' + '.join(parts)} = {gib(optimizer + held)} of host memory, {gib(facts.host_mem_available_bytes)} "
+            f"available; use a node with more memory, or lower {OPTIM}.override_optimizer_config."
+            "optimizer_offload_fraction / data.max_response_length / the lag",
+        )
+    ]
 
 
 def check_disk(cfg: DictConfig, facts: Facts) -> list[Finding]:

@@ -1,6 +1,7 @@
 """The preflight's facts and estimates (SPEC §7): what the probe gathers about the node
 (``Facts``, ``GPU``, ``ModelFacts``), one result line (``Finding``), and the config helpers and
-estimates the checks share (``param_count``, ``host_optimizer_bytes``, ``checkpoint_bytes``, ...).
+estimates the checks share (``param_count``, ``host_optimizer_bytes``, ``rollout_buffer_bytes``,
+``checkpoint_bytes``, ``bridge_module``, ...).
 """
 
 from __future__ import annotations
@@ -19,10 +20,49 @@ SGLANG_FOR_VERL = "0.5.12"
 # The SGLang server argument R3 needs (verl's async_sglang_server sets it when
 # rollout.enable_rollout_routing_replay is on).
 ROUTED_EXPERTS_ARG = "enable_return_routed_experts"
+# The Megatron-Bridge that verl 0.9.1's `megatron` extra pins (its METADATA); used when the
+# installed verl's metadata does not say (tests check the two agree).
+MEGATRON_BRIDGE_FOR_VERL = "0.5.2"
+# Megatron-Bridge's Requires-Python (0.4 and later, 0.5.1 and 0.6.0 read from their wheels).
+MEGATRON_BRIDGE_PYTHON = (3, 12)
+# What verl's Megatron engine imports to build the model from the HF checkpoint
+# (workers/engine/megatron/transformer_impl.py): vanilla_mbridge=false (verl's default) ->
+# verl.models.mcore.bridge -> `from megatron.bridge import AutoBridge`; true ->
+# verl.models.mcore.mbridge -> `from mbridge import AutoBridge`. module -> distribution.
+BRIDGES = {"megatron.bridge": "megatron-bridge", "mbridge": "mbridge"}
 # Modules imported by the probe; None in Facts.import_errors means the import worked.
-PROBED_MODULES = ("megatron.core", "mbridge", "transformer_engine", "sglang.srt.server_args")
+PROBED_MODULES = (
+    "megatron.core",
+    "megatron.bridge",
+    "mbridge",
+    "transformer_engine",
+    "sglang.srt.server_args",
+)
 # Distributions whose versions the probe records.
-PROBED_DISTRIBUTIONS = ("verl", "sglang", "megatron-core", "mbridge", "torch")
+PROBED_DISTRIBUTIONS = (
+    "verl",
+    "sglang",
+    "megatron-core",
+    "megatron-bridge",
+    "mbridge",
+    "transformer-engine",
+    "transformers",
+    "torch",
+)
+# Requirements of these distributions (their own METADATA) on these packages are checked against
+# the installed versions: a bridge built for another transformers or megatron-core is a mismatch.
+CHECKED_REQUIREMENTS = {
+    "megatron-bridge": ("transformers", "megatron-core", "torch", "transformer-engine"),
+    "mbridge": ("transformers", "megatron-core", "torch"),
+    "sglang": ("transformers", "torch"),
+}
+# What TransferQueue holds per sample of the rollout buffer (verl's agent_loop_tq puts
+# AgentLoopOutput.as_dict() unpadded): int64 input_ids, prompts + responses and position_ids over
+# the whole sequence; int64 response_mask and loss_mask and fp32 rollout_log_probs over the
+# response. R3 adds routed_experts: int16 [sequence, layers, top-k].
+BUFFER_BYTES_PER_TOKEN = 3 * 8
+BUFFER_BYTES_PER_RESPONSE_TOKEN = 2 * 8 + 4
+ROUTE_ID_BYTES = 2
 DTYPE_BYTES = {"bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2, "half": 2, "float32": 4, "fp32": 4, "fp8": 1}
 GIB = 1024**3
 
@@ -67,8 +107,13 @@ class Facts:
     Args:
         gpus: visible GPUs (``CUDA_VISIBLE_DEVICES`` applies).
         cuda_runtime: torch's CUDA runtime version (``torch.version.cuda``), None without CUDA.
+        python: this interpreter's (major, minor).
         versions: distribution name -> installed version (None: not installed).
         sglang_pin: the sglang version the installed verl's ``sglang`` extra pins.
+        megatron_pins: distribution -> version pinned (``==``) by the installed verl's ``megatron``
+            extra (e.g. megatron-bridge).
+        requirement_conflicts: distribution -> its requirements (``CHECKED_REQUIREMENTS``) that
+            the installed versions do not satisfy, one line each (``transformers<5.9.0 (5.9.0)``).
         import_errors: module -> None when it imports, else the error's one-line text.
         sglang_server_args: the field names of SGLang's ``ServerArgs`` (None: not importable).
         checkpoint_engines: backends registered in verl's ``CheckpointEngineRegistry``.
@@ -83,8 +128,11 @@ class Facts:
 
     gpus: tuple[GPU, ...] = ()
     cuda_runtime: str | None = None
+    python: tuple[int, int] = (3, 12)
     versions: dict[str, str | None] = field(default_factory=dict)
     sglang_pin: str | None = None
+    megatron_pins: dict[str, str] = field(default_factory=dict)
+    requirement_conflicts: dict[str, tuple[str, ...]] = field(default_factory=dict)
     import_errors: dict[str, str | None] = field(default_factory=dict)
     sglang_server_args: frozenset[str] | None = None
     checkpoint_engines: frozenset[str] = frozenset()
@@ -132,6 +180,12 @@ def is_standalone_rollout(cfg: DictConfig) -> bool:
     """separate_async with ``hybrid_engine=false``: rollout GPUs are a pool of their own."""
     mode = str(get(cfg, "trainer.v1.trainer_mode", "")).removeprefix("sat_")
     return mode == "separate_async" and not bool(get(cfg, "actor_rollout_ref.hybrid_engine", True))
+
+
+def bridge_module(cfg: DictConfig) -> str:
+    """The module verl's Megatron engine imports for the HF <-> Megatron bridge (``BRIDGES``):
+    ``megatron.bridge`` unless ``actor.megatron.vanilla_mbridge`` is true (then ``mbridge``)."""
+    return "mbridge" if bool(get(cfg, f"{MEGATRON}.vanilla_mbridge", False)) else "megatron.bridge"
 
 
 def uses_r3(cfg: DictConfig) -> bool:
@@ -210,6 +264,59 @@ def host_optimizer_bytes(cfg: DictConfig, params: int) -> int:
     fraction = optimizer_offload_fraction(cfg)
     hybrid = bool(get(cfg, f"{OPTIM}.override_optimizer_config.optimizer_cpu_offload", False))
     return int(params * fraction * adam_bytes_per_param(cfg, with_grad=hybrid))
+
+
+def buffered_prompts(cfg: DictConfig) -> int:
+    """Prompt groups TransferQueue holds at once: the global step's ``data.train_batch_size`` plus
+    the warm-up window verl keeps in flight ahead of it, computed as verl's
+    ``_add_async_warmup_batches`` does: floor(num_warmup_batches × train_batch_size /
+    gen_batch_size) × gen_batch_size (gen_batch_size defaults to train_batch_size). Groups are
+    cleared (``kv_clear``) after the step that trains on them."""
+    batch = int(get(cfg, "data.train_batch_size", 0))
+    if batch <= 0:
+        return 0
+    gen = int(get(cfg, "data.gen_batch_size", 0) or batch)
+    warmup = float(get(cfg, "trainer.v1.separate_async.num_warmup_batches", 0) or 0)
+    return batch + math.floor(warmup * batch / gen) * gen if warmup > 0 else batch
+
+
+def route_bytes_per_token(cfg: DictConfig, config: dict[str, Any] | None) -> int | None:
+    """R3's routed_experts per token: layers × top-k × int16 (0 when R3 is off; None: unknown)."""
+    if not bool(get(cfg, f"{ROLLOUT}.enable_rollout_routing_replay", False)):
+        return 0
+    config = config or {}
+    if "num_hidden_layers" not in config:
+        config = config.get("text_config") or {}
+    layers, top_k = config.get("num_hidden_layers"), config.get("num_experts_per_tok")
+    if layers is None or top_k is None:
+        return None
+    return int(layers) * int(top_k) * ROUTE_ID_BYTES
+
+
+def rollout_buffer_bytes(cfg: DictConfig, config: dict[str, Any] | None) -> dict[str, int] | None:
+    """The rollout buffer in host memory at its largest (every response at max length).
+
+    samples   = buffered_prompts × rollout.n
+    sequence  = data.max_prompt_length + data.max_response_length
+    per sample = sequence × (24 + route bytes per token) + max_response_length × 20
+    with route bytes per token = num_hidden_layers × num_experts_per_tok × 2 under R3 (verl
+    stores routed_experts as int16 over the whole sequence), 0 otherwise. None when R3 is on and
+    config.json's layers / top-k are unknown. Returns samples, per_sample, routes (all samples'
+    routes) and total bytes.
+    """
+    routes_per_token = route_bytes_per_token(cfg, config)
+    if routes_per_token is None:
+        return None
+    prompt, response = int(get(cfg, "data.max_prompt_length", 0)), int(get(cfg, "data.max_response_length", 0))
+    sequence = prompt + response
+    samples = buffered_prompts(cfg) * int(get(cfg, f"{ROLLOUT}.n", 1))
+    per_sample = sequence * (BUFFER_BYTES_PER_TOKEN + routes_per_token) + response * BUFFER_BYTES_PER_RESPONSE_TOKEN
+    return {
+        "samples": samples,
+        "per_sample": per_sample,
+        "routes": samples * sequence * routes_per_token,
+        "total": samples * per_sample,
+    }
 
 
 def checkpoint_bytes(cfg: DictConfig, params: int) -> int:

@@ -12,6 +12,7 @@ from pathlib import Path
 from omegaconf import DictConfig
 
 from verl_sat.preflight.facts import (
+    CHECKED_REQUIREMENTS,
     GPU,
     PROBED_DISTRIBUTIONS,
     PROBED_MODULES,
@@ -44,6 +45,18 @@ def probe_gpus() -> tuple[tuple[GPU, ...], str | None]:
     return tuple(gpus), torch.version.cuda
 
 
+def extra_pins(requirements: Sequence[str], extra: str) -> dict[str, str]:
+    """``name -> version`` of the ``name==version`` requirements under ``extra == "<extra>"``."""
+    pins = {}
+    for req in requirements:
+        spec, _, marker = req.partition(";")
+        spec = spec.replace(" ", "")
+        if "==" in spec and f'extra=="{extra}"' in marker.replace(" ", "").replace("'", '"'):
+            name, version = spec.split("==", 1)
+            pins[name.lower()] = version
+    return pins
+
+
 def probe_versions() -> tuple[dict[str, str | None], str | None, tuple[str, ...]]:
     """Installed versions, verl's sglang pin (its METADATA) and the cupy distributions."""
     from importlib import metadata
@@ -54,14 +67,10 @@ def probe_versions() -> tuple[dict[str, str | None], str | None, tuple[str, ...]
             versions[name] = metadata.version(name)
         except metadata.PackageNotFoundError:
             versions[name] = None
-    pin = None
     try:
-        for req in metadata.requires("verl") or []:
-            spec, _, marker = req.partition(";")
-            if spec.replace(" ", "").startswith("sglang==") and "sglang" in marker:
-                pin = spec.split("==", 1)[1].strip()
+        pin = extra_pins(metadata.requires("verl") or [], "sglang").get("sglang")
     except metadata.PackageNotFoundError:
-        pass
+        pin = None
     cupy = sorted(
         {
             d.metadata["Name"].lower()
@@ -70,6 +79,56 @@ def probe_versions() -> tuple[dict[str, str | None], str | None, tuple[str, ...]
         }
     )
     return versions, pin, tuple(cupy)
+
+
+def probe_megatron_pins() -> dict[str, str]:
+    """What the installed verl's ``megatron`` extra pins with ``==`` (e.g. megatron-bridge)."""
+    from importlib import metadata
+
+    try:
+        return extra_pins(metadata.requires("verl") or [], "megatron")
+    except metadata.PackageNotFoundError:
+        return {}
+
+
+def unmet_requirements(
+    requirements: Sequence[str], installed: dict[str, str | None], watched: Sequence[str]
+) -> tuple[str, ...]:
+    """The requirements on ``watched`` packages (no extra marker) that ``installed`` misses.
+
+    A package that is not installed is not reported here (the import checks say so)."""
+    from packaging.requirements import InvalidRequirement, Requirement
+
+    unmet = []
+    for line in requirements:
+        try:
+            req = Requirement(line)
+        except InvalidRequirement:
+            continue
+        name = req.name.lower().replace("_", "-")
+        if name not in watched or (req.marker is not None and "extra" in str(req.marker)):
+            continue
+        have = installed.get(name)
+        if have is not None and req.specifier and not req.specifier.contains(have, prereleases=True):
+            unmet.append(f"{name}{req.specifier} ({have} installed)")
+    return tuple(unmet)
+
+
+def probe_requirement_conflicts(installed: dict[str, str | None]) -> dict[str, tuple[str, ...]]:
+    """For each installed distribution of ``CHECKED_REQUIREMENTS``: its unmet requirements."""
+    from importlib import metadata
+
+    out = {}
+    for dist, watched in CHECKED_REQUIREMENTS.items():
+        if installed.get(dist) is None:
+            continue
+        try:
+            unmet = unmet_requirements(metadata.requires(dist) or [], installed, watched)
+        except metadata.PackageNotFoundError:
+            continue
+        if unmet:
+            out[dist] = unmet
+    return out
 
 
 def probe_imports() -> tuple[dict[str, str | None], frozenset[str] | None]:
@@ -82,6 +141,8 @@ def probe_imports() -> tuple[dict[str, str | None], frozenset[str] | None]:
         try:
             mod = importlib.import_module(module)
             errors[module] = None
+            if module in ("megatron.bridge", "mbridge") and not hasattr(mod, "AutoBridge"):
+                errors[module] = f"ImportError: cannot import name 'AutoBridge' from '{module}'"
             if module == "sglang.srt.server_args":
                 server_args = frozenset(f.name for f in dataclasses.fields(mod.ServerArgs))
         except Exception as err:  # noqa: BLE001 (any import failure is a fact to report)
@@ -190,6 +251,8 @@ def probe_reward(cfg: DictConfig) -> str | None:
 
 def probe(cfg: DictConfig) -> Facts:
     """Gather the node's facts for one resolved config (GPUs, packages, memory, disk, files)."""
+    import sys
+
     gpus, cuda = probe_gpus()
     versions, pin, cupy = probe_versions()
     imports, server_args = probe_imports()
@@ -198,8 +261,11 @@ def probe(cfg: DictConfig) -> Facts:
     return Facts(
         gpus=gpus,
         cuda_runtime=cuda,
+        python=(sys.version_info.major, sys.version_info.minor),
         versions=versions,
         sglang_pin=pin,
+        megatron_pins=probe_megatron_pins(),
+        requirement_conflicts=probe_requirement_conflicts(versions),
         import_errors=imports,
         sglang_server_args=server_args,
         checkpoint_engines=engines,
