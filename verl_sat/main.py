@@ -436,7 +436,7 @@ def run(cfg: DictConfig) -> list[dict[str, Any]]:
         printer.start()
         start = time.perf_counter()
         try:
-            with Supervisor(run_dir):  # a dead rollout server or worker ends the job (exit 4)
+            with Supervisor(run_dir, cfg.trainer.get("total_training_steps")):  # a dead server/worker: exit 4
                 run_ppo(cfg, task_runner_class=TaskRunnerV1)
         finally:
             printer.stop()

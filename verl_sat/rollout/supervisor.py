@@ -85,9 +85,9 @@ def in_flight(run_dir: Path) -> int:
 class Supervisor(threading.Thread):
     """Checks the registered processes of the job every ``interval`` seconds (module docstring)."""
 
-    def __init__(self, run_dir: Path, interval: float = 1.0) -> None:
+    def __init__(self, run_dir: Path, total_steps: int | None = None, interval: float = 1.0) -> None:
         super().__init__(daemon=True, name="verl-sat-supervisor")
-        self.run_dir, self.interval = Path(run_dir), interval
+        self.run_dir, self.total_steps, self.interval = Path(run_dir), total_steps, interval
         self.stopped = threading.Event()
         self.failure: dict[str, Any] | None = None
         self.host = socket.gethostname()
@@ -105,8 +105,19 @@ class Supervisor(threading.Thread):
                 entries.append(entry)
         return entries
 
+    def finished(self) -> bool:
+        """Training is over (the last step is logged, or the sentinel gave its verdict): verl may
+        now stop its actors, which is no fault."""
+        from verl_sat.faults import read_sentinel_record
+
+        if self.total_steps is not None and last_step(self.run_dir) >= int(self.total_steps):
+            return True
+        return "final_step" in ((read_sentinel_record(self.run_dir) or {}).get("verdict") or {})
+
     def check(self) -> dict[str, Any] | None:
         """The first registered process of this job that is gone, with what was lost; else None."""
+        if self.finished():
+            return None
         for entry in self.processes():
             if not alive(int(entry["pid"])):
                 step = last_step(self.run_dir) + 1
