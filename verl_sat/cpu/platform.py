@@ -275,3 +275,6 @@ def register() -> None:
         return
     os.environ.setdefault("VERL_ENGINE_DEVICE", "cuda")
     _install_backend_dedupe()
+    from verl_sat.cpu import megatron
+
+    megatron.install()  # post-import hooks: nothing is imported unless verl's Megatron engine is used

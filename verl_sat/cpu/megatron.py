@@ -1,0 +1,511 @@
+"""verl's Megatron engine on CPU: run-time patches for what megatron-core and mbridge hard-wire to CUDA.
+
+Installed by :func:`verl_sat.cpu.platform.register` only when the CPU platform is selected
+(``VERL_PLATFORM=cpu``), in every process that imports verl (Ray workers included), as
+post-import hooks on the modules they patch: nothing in site-packages is edited and nothing is
+imported early. Written for exactly the versions in :data:`SUPPORTED` (the ``megatron-cpu``
+extra); any other version stops the import of ``megatron.core`` / ``mbridge`` with an error naming
+both versions, because each patch reaches into one version's internals.
+
+Scope: a patch never replaces ``torch`` itself. Where megatron looks a CUDA call up through its
+own module global ``torch`` (``torch.cuda.get_rng_state()``, ``torch.zeros(..., device="cuda")``),
+that one module's global is pointed at :data:`CPU_TORCH`, a stand-in that forwards everything to
+torch except ``torch.cuda`` and the device argument of the tensor factories. (A global
+``torch.tensor`` wrapper once made HF's Qwen3-MoE forward non-deterministic.) Each entry of
+:data:`TORCH_SCOPED` and each ``patch_*`` function carries its reason in one line; docs/cpu.md
+lists them. Settings that need no patch (local layers, no fusions, CPU initialisation) are
+config: :data:`TRANSFORMER_OVERRIDES`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib.metadata
+import re
+from collections.abc import Callable, Iterator
+from types import ModuleType
+from typing import Any
+
+import torch
+
+SUPPORTED = {"megatron-core": "0.16.1", "mbridge": "0.15.1"}
+
+# verl's ``actor.megatron.override_transformer_config`` for CPU: what megatron would otherwise take
+# from TransformerEngine / apex / CUDA kernels. Local (non-TE) layers are chosen by
+# ``patch_mbridge_local_spec``; these keys make the local layers run in plain torch.
+TRANSFORMER_OVERRIDES: dict[str, Any] = {
+    "use_cpu_initialization": True,  # build weights on the host (no torch.cuda.current_device())
+    "attention_backend": "local",  # megatron's DotProductAttention instead of TE / flash
+    "moe_grouped_gemm": False,  # SequentialMLP experts (grouped GEMM needs TE or nv-grouped-gemm)
+    "gradient_accumulation_fusion": False,  # a CUDA kernel (fused_weight_gradient_mlp_cuda)
+    "bias_activation_fusion": False,  # torch.jit-fused CUDA kernels
+    "bias_dropout_fusion": False,
+    "masked_softmax_fusion": False,  # apex's scaled_masked_softmax_cuda
+    "persist_layer_norm": False,  # apex's persistent LayerNorm
+    "apply_rope_fusion": False,  # TE's fused RoPE
+    "moe_permute_fusion": False,  # TE's fused permute
+    "moe_router_fusion": False,  # TE's fused top-k
+    "moe_token_dispatcher_type": "alltoall",  # the one dispatcher that takes variable sequence lengths
+}
+
+
+class VersionMismatch(RuntimeError):
+    """An installed megatron-core / mbridge that these patches were not written for."""
+
+
+def check_version(distribution: str) -> None:
+    """Refuse a ``distribution`` version other than :data:`SUPPORTED`'s, naming both."""
+    wanted = SUPPORTED[distribution]
+    try:
+        found = importlib.metadata.version(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        found = "not installed"
+    if found != wanted:
+        raise VersionMismatch(
+            f"verl-sat's CPU patches for verl's Megatron engine (verl_sat.cpu.megatron) were written for "
+            f"{distribution}=={wanted}, found {distribution} {found}; install the tested set with "
+            f'pip install -e ".[megatron-cpu]" (or run on a GPU node, where no patch is installed)'
+        )
+
+
+# ---------------------------------------------------------------------------------------------
+# the module-scoped torch stand-in
+# ---------------------------------------------------------------------------------------------
+def to_cpu_device(device: Any) -> Any:
+    """``"cuda"``, ``"cuda:0"``, ``0`` or ``torch.device("cuda")`` -> ``"cpu"``; anything else unchanged."""
+    if isinstance(device, bool):
+        return device
+    if isinstance(device, int):
+        return "cpu"
+    if isinstance(device, str) and device.startswith("cuda"):
+        return "cpu"
+    if isinstance(device, torch.device) and device.type == "cuda":
+        return "cpu"
+    return device
+
+
+class _NoEvent:
+    """``torch.cuda.Event`` on a host: already complete."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def record(self, stream: Any = None) -> None:
+        return None
+
+    def wait(self, stream: Any = None) -> None:
+        return None
+
+    def synchronize(self) -> None:
+        return None
+
+    def query(self) -> bool:
+        return True
+
+
+class _NoStream:
+    """``torch.cuda.Stream`` / ``current_stream()`` on a host: work is already ordered."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def wait_stream(self, stream: Any) -> None:
+        return None
+
+    def wait_event(self, event: Any) -> None:
+        return None
+
+    def record_event(self, event: Any = None) -> _NoEvent:
+        return event if event is not None else _NoEvent()
+
+    def synchronize(self) -> None:
+        return None
+
+
+class _CPUCuda:
+    """``torch.cuda`` as the patched megatron modules see it: the host's RNG and no streams."""
+
+    Stream = _NoStream
+    Event = _NoEvent
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(torch.cuda, name)
+
+    @staticmethod
+    def is_available() -> bool:
+        return False
+
+    @staticmethod
+    def current_device() -> str:
+        return "cpu"
+
+    @staticmethod
+    def device_count() -> int:
+        return 1
+
+    @staticmethod
+    def get_rng_state(device: Any = None) -> torch.Tensor:
+        return torch.get_rng_state()
+
+    @staticmethod
+    def set_rng_state(state: torch.Tensor, device: Any = None) -> None:
+        torch.set_rng_state(state)
+
+    @staticmethod
+    def manual_seed(seed: int) -> None:
+        torch.manual_seed(seed)
+
+    @staticmethod
+    def current_stream(device: Any = None) -> _NoStream:
+        return _NoStream()
+
+    @staticmethod
+    def stream(stream: Any = None) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()
+
+    @staticmethod
+    def synchronize(device: Any = None) -> None:
+        return None
+
+    @staticmethod
+    def nvtx_range_push(msg: str) -> None:
+        return None
+
+    @staticmethod
+    def nvtx_range_pop() -> None:
+        return None
+
+
+# Tensor factories whose ``device=`` megatron sets to "cuda" / torch.cuda.current_device().
+_FACTORIES = (
+    "tensor",
+    "as_tensor",
+    "zeros",
+    "ones",
+    "empty",
+    "full",
+    "arange",
+    "rand",
+    "randn",
+    "randint",
+    "zeros_like",
+    "ones_like",
+    "empty_like",
+    "full_like",
+)
+
+
+def _on_cpu(factory: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(factory)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        if "device" in kwargs:
+            kwargs["device"] = to_cpu_device(kwargs["device"])
+        return factory(*args, **kwargs)
+
+    return wrapper
+
+
+class _CPUTorch(ModuleType):
+    """``torch`` for one megatron module: everything forwarded, except ``cuda`` and factory devices."""
+
+    def __init__(self) -> None:
+        super().__init__("torch")
+        self.cuda = _CPUCuda()
+        for name in _FACTORIES:
+            setattr(self, name, _on_cpu(getattr(torch, name)))
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(torch, name)
+
+    @staticmethod
+    def device(*args: Any, **kwargs: Any) -> torch.device:
+        if args and isinstance(args[0], str) and args[0].startswith("cuda"):
+            return torch.device("cpu")
+        return torch.device(*args, **kwargs)
+
+
+CPU_TORCH = _CPUTorch()
+
+# Modules whose global ``torch`` becomes CPU_TORCH, each with the CUDA call that needs it.
+TORCH_SCOPED: dict[str, str] = {
+    "megatron.core.tensor_parallel.random": "the RNG state tracker calls torch.cuda.get_rng_state / manual_seed",
+    "megatron.core.utils": "GlobalMemoryBuffer allocates on torch.cuda.current_device()",
+    "megatron.core.optimizer.clip_grads": "grad-norm and zero-count buffers are made with device='cuda'",
+    "megatron.core.optimizer.optimizer": "found-inf / grad-norm tensors are made with device='cuda'",
+    "megatron.core.optimizer.distrib_optimizer": "buffers made on torch.cuda.current_device()",
+    "megatron.core.pipeline_parallel.schedules": "total_num_tokens is made with device='cuda'",
+    "megatron.core.transformer.moe.moe_utils": "router metrics are made with device='cuda'",
+    "megatron.core.transformer.moe.token_dispatcher": "the all-to-all dispatcher creates a torch.cuda.Stream",
+    "megatron.core.distributed.param_and_grad_buffer": "grad buffers are made on torch.cuda.current_device()",
+    "megatron.core.distributed.distributed_data_parallel": "buffers made on torch.cuda.current_device()",
+    "megatron.core.models.common.embeddings.rotary_pos_embedding": "RoPE moves inv_freq to torch.cuda.current_device()",
+    "megatron.core.transformer.moe.router": "the router moves its weight to torch.cuda.current_device() every call",
+    "megatron.core.transformer.moe.experts": "SequentialMLP makes empty-expert outputs on torch.cuda.current_device()",
+    "megatron.core.tensor_parallel.mappings": "gather / all-to-all outputs are made on torch.cuda.current_device()",
+    "mbridge.core.util": "get_model calls model.cuda(torch.cuda.current_device())",
+    "mbridge.core.bridge": "export_weights moves expert_bias to torch.cuda.current_device()",
+}
+
+
+def scope_torch(module: ModuleType) -> None:
+    """Point ``module``'s global ``torch`` at :data:`CPU_TORCH` (that module only)."""
+    if getattr(module, "torch", None) is torch:
+        module.torch = CPU_TORCH
+
+
+# ---------------------------------------------------------------------------------------------
+# the patches that are not a torch stand-in
+# ---------------------------------------------------------------------------------------------
+def patch_random(module: ModuleType) -> None:
+    """megatron.core.tensor_parallel.random: its CUDA RNG helpers read and set the host generator."""
+    scope_torch(module)
+    module._get_cuda_rng_state = lambda device="cuda", clone=False, graph_safe=False: torch.get_rng_state()
+    module._set_cuda_rng_state = lambda new_state, device=-1, graph_safe=False: torch.set_rng_state(new_state)
+
+
+def patch_moe_utils(module: ModuleType) -> None:
+    """megatron.core.transformer.moe.moe_utils: ``te_general_gemm`` is referenced without TE (NameError)."""
+    scope_torch(module)
+    if not hasattr(module, "te_general_gemm"):
+        module.te_general_gemm = None
+
+
+def patch_token_dispatcher(module: ModuleType) -> None:
+    """The all-to-all dispatcher: no CUDA stream; split sizes as lists (gloo's all_to_all_single)."""
+    scope_torch(module)
+    cls = module.MoEAlltoAllTokenDispatcher
+    original = cls.token_dispatch
+    if getattr(original, "_verl_sat_cpu", False):
+        return
+
+    @functools.wraps(original)
+    def token_dispatch(self: Any, *args: Any, **kwargs: Any) -> Any:
+        for name in ("input_splits", "output_splits"):
+            value = getattr(self, name, None)
+            if isinstance(value, torch.Tensor):
+                setattr(self, name, value.tolist())
+        return original(self, *args, **kwargs)
+
+    token_dispatch._verl_sat_cpu = True  # type: ignore[attr-defined]
+    cls.token_dispatch = token_dispatch
+
+
+def patch_module_cuda(module: ModuleType) -> None:
+    """mbridge.core.util.get_model: ``model.cuda(...)`` is a no-op while it runs (weights stay on the host)."""
+    scope_torch(module)
+    original = module.get_model
+    if getattr(original, "_verl_sat_cpu", False):
+        return
+
+    @functools.wraps(original)
+    def get_model(*args: Any, **kwargs: Any) -> Any:
+        with _module_cuda_is_identity():
+            return original(*args, **kwargs)
+
+    get_model._verl_sat_cpu = True  # type: ignore[attr-defined]
+    module.get_model = get_model
+
+
+@contextlib.contextmanager
+def _module_cuda_is_identity() -> Iterator[None]:
+    original = torch.nn.Module.cuda
+    torch.nn.Module.cuda = lambda self, device=None: self  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        torch.nn.Module.cuda = original  # type: ignore[method-assign]
+
+
+@contextlib.contextmanager
+def _cuda_type_names() -> Iterator[None]:
+    """``tensor.type()`` answers ``torch.cuda.<X>Tensor`` for host tensors while megatron checks it."""
+    original = torch.Tensor.type
+
+    def type_(self: torch.Tensor, dtype: Any = None, non_blocking: bool = False, **kwargs: Any) -> Any:
+        if dtype is None and not kwargs:
+            name = original(self)
+            return name.replace("torch.", "torch.cuda.", 1) if self.device.type == "cpu" else name
+        return original(self, dtype, non_blocking, **kwargs)
+
+    torch.Tensor.type = type_  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        torch.Tensor.type = original  # type: ignore[method-assign]
+
+
+def _with_cuda_type_names(owner: Any, name: str) -> None:
+    """Run ``owner.<name>`` inside :func:`_cuda_type_names` (once)."""
+    original = getattr(owner, name)
+    if getattr(original, "_verl_sat_cpu", False):
+        return
+
+    @functools.wraps(original)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        with _cuda_type_names():
+            return original(*args, **kwargs)
+
+    wrapper._verl_sat_cpu = True  # type: ignore[attr-defined]
+    setattr(owner, name, wrapper)
+
+
+def patch_optimizer(module: ModuleType) -> None:
+    """megatron.core.optimizer.optimizer: it sorts parameters by ``param.type() == 'torch.cuda.<X>Tensor'``."""
+    scope_torch(module)
+    _with_cuda_type_names(module.Float16OptimizerWithFloat16Params, "__init__")
+    _with_cuda_type_names(module, "clip_grad_by_total_norm_fp32")  # asserts grads are torch.cuda.FloatTensor
+
+
+def patch_distrib_optimizer(module: ModuleType) -> None:
+    """megatron.core.optimizer.distrib_optimizer: the same ``param.type()`` checks, in its constructor."""
+    scope_torch(module)
+    _with_cuda_type_names(module.DistributedOptimizer, "__init__")
+
+
+def local_attention_mask(query: torch.Tensor, attention_mask: Any, packed_seq_params: Any) -> torch.Tensor:
+    """megatron's mask (True = masked) for its local DotProductAttention: causal within each sequence.
+
+    Packed (thd) input, one row ``[t, ...]`` of sequences delimited by ``cu_seqlens``: ``[1, 1, t, t]``,
+    a token sees the earlier tokens of its own sequence (tokens past the last boundary only themselves).
+    Padded (bshd) input with verl's ``[B, S]`` validity mask: ``[B, 1, S, S]``, causal and no padded keys.
+    """
+    length = query.shape[0]
+    positions = torch.arange(length, device=query.device)
+    causal = positions[None, :] <= positions[:, None]  # [q, k]: key k at or before query q
+    if packed_seq_params is not None:
+        bounds = packed_seq_params.cu_seqlens_q_padded
+        if bounds is None:
+            bounds = packed_seq_params.cu_seqlens_q
+        segment = torch.bucketize(positions, bounds.to(query.device).long(), right=True)
+        segment = torch.where(positions >= bounds[-1].to(query.device), length + positions, segment)
+        visible = causal & (segment[:, None] == segment[None, :])
+        return ~visible[None, None]
+    valid = attention_mask.bool().to(query.device)  # [B, S], True at real tokens
+    return ~(causal[None, None] & valid[:, None, None, :])
+
+
+def patch_dot_product_attention(module: ModuleType) -> None:
+    """megatron's local attention: packed sequences (refused: 'use TEDotProductAttention') and verl's
+    [B, S] padding mask (it needs [B, 1, S, S]) become one explicit mask."""
+    cls = module.DotProductAttention
+    original = cls.forward
+    if getattr(original, "_verl_sat_cpu", False):
+        return
+
+    @functools.wraps(original)
+    def forward(
+        self: Any,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask: Any,
+        attn_mask_type: Any = None,
+        attention_bias: Any = None,
+        packed_seq_params: Any = None,
+    ) -> torch.Tensor:
+        packed = packed_seq_params is not None
+        if packed:  # [t, np, hn] -> [t, b=1, np, hn]
+            query, key, value = query.unsqueeze(1), key.unsqueeze(1), value.unsqueeze(1)
+        if packed or (attention_mask is not None and attention_mask.dim() == 2):
+            attention_mask = local_attention_mask(query, attention_mask, packed_seq_params)
+        return original(self, query, key, value, attention_mask, attn_mask_type, attention_bias, None)
+
+    forward._verl_sat_cpu = True  # type: ignore[attr-defined]
+    cls.forward = forward
+
+
+def patch_mbridge_local_spec(module: ModuleType) -> None:
+    """mbridge.core.llm_bridge: it hard-codes ``use_transformer_engine=True``; build the local layer spec."""
+    original = module.get_gpt_decoder_block_spec
+    if getattr(original, "_verl_sat_cpu", False):
+        return
+
+    @functools.wraps(original)
+    def get_gpt_decoder_block_spec(config: Any, use_transformer_engine: bool = True, **kwargs: Any) -> Any:
+        return original(config, use_transformer_engine=False, **kwargs)
+
+    get_gpt_decoder_block_spec._verl_sat_cpu = True  # type: ignore[attr-defined]
+    module.get_gpt_decoder_block_spec = get_gpt_decoder_block_spec
+
+
+_LOCAL_EXPERT = re.compile(r"\.mlp\.experts\.local_experts\.(\d+)\.(linear_fc[12])\.weight$")
+
+
+def te_style_name(name: str, expert_offset: int = 0) -> str:
+    """A local-spec parameter name as mbridge's (TE-spec) tables spell it.
+
+    ``...input_layernorm.weight`` -> ``...self_attention.linear_qkv.layer_norm_weight`` (TE fuses the
+    norm into the QKV projection); ``...mlp.experts.local_experts.<e>.linear_fc1.weight`` ->
+    ``...mlp.experts.linear_fc1.weight<e + expert_offset>`` (TE's grouped experts).
+    """
+    if name.endswith(".input_layernorm.weight"):
+        return name[: -len("input_layernorm.weight")] + "self_attention.linear_qkv.layer_norm_weight"
+    match = _LOCAL_EXPERT.search(name)
+    if match:
+        return f"{name[: match.start()]}.mlp.experts.{match.group(2)}.weight{int(match.group(1)) + expert_offset}"
+    return name
+
+
+def patch_mbridge_names(module: ModuleType) -> None:
+    """mbridge.core.bridge: its weight tables name TE-spec parameters; map the local spec's onto them.
+
+    With EP the local expert index becomes the global one when loading (``consider_ep``), and
+    stays local when exporting, where mbridge all-gathers each expert over the EP group; with
+    local names it did not recognise experts and each EP rank exported only its own.
+    """
+    scope_torch(module)
+    cls = module.Bridge
+    original = cls._weight_name_mapping_mcore_local_to_global
+    if getattr(original, "_verl_sat_cpu", False):
+        return
+
+    @functools.wraps(original)
+    def mapping(self: Any, model: Any, consider_ep: bool = True) -> dict[str, str]:
+        names = original(self, model, consider_ep=consider_ep)
+        offset = 0
+        if consider_ep and self.mpu.ep_size > 1:
+            offset = (self.config.num_moe_experts // self.mpu.ep_size) * self.mpu.ep_rank
+        return {local: te_style_name(name, offset) for local, name in names.items()}
+
+    mapping._verl_sat_cpu = True  # type: ignore[attr-defined]
+    cls._weight_name_mapping_mcore_local_to_global = mapping
+
+
+# ---------------------------------------------------------------------------------------------
+# installation
+# ---------------------------------------------------------------------------------------------
+PATCHES: dict[str, Callable[[ModuleType], None]] = {
+    "megatron.core.tensor_parallel.random": patch_random,
+    "megatron.core.transformer.moe.moe_utils": patch_moe_utils,
+    "megatron.core.transformer.moe.token_dispatcher": patch_token_dispatcher,
+    "megatron.core.optimizer.optimizer": patch_optimizer,
+    "megatron.core.transformer.dot_product_attention": patch_dot_product_attention,
+    "megatron.core.optimizer.distrib_optimizer": patch_distrib_optimizer,
+    "mbridge.core.util": patch_module_cuda,
+    "mbridge.core.llm_bridge": patch_mbridge_local_spec,
+    "mbridge.core.bridge": patch_mbridge_names,
+}
+
+
+def checked(patch: Callable[[ModuleType], None]) -> Callable[[ModuleType], None]:
+    """``patch``, after the version check of the distribution its module belongs to."""
+
+    def hook(module: ModuleType) -> None:
+        check_version("mbridge" if module.__name__.startswith("mbridge") else "megatron-core")
+        patch(module)
+
+    return hook
+
+
+def install() -> None:
+    """Register every patch as a post-import hook (CPU platform only; see the module doc)."""
+    from verl_sat.hooks import when_imported
+
+    when_imported("megatron.core", checked(lambda module: None))
+    when_imported("mbridge", checked(lambda module: None))
+    for name in TORCH_SCOPED:
+        if name not in PATCHES:
+            when_imported(name, checked(scope_torch))
+    for name, patch in PATCHES.items():
+        when_imported(name, checked(patch))
