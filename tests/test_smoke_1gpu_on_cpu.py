@@ -1,9 +1,11 @@
-"""recipes/sat_paper/smoke_1gpu.sh on CPU: its exact overrides compose and validate, its assets build.
+"""recipes/sat_paper/smoke_1gpu.sh on CPU: its stages, their overrides, the stage runner, the probe.
 
 The smoke itself needs a GPU with verl's megatron and sglang extras; here the script runs with
-DRY_RUN=1 (it prints its commands), and each printed ``verl_sat.main`` command is composed on
-verl 0.9.1's packaged configs, mapped by ``verl_sat.main.prepare`` and checked against what
-verl's separate_async trainer and dataclasses require.
+DRY_RUN=1 (it prints its stages' commands), and each printed ``verl_sat.main`` command is composed
+on verl 0.9.1's packaged configs, mapped by ``verl_sat.main.prepare`` and checked against what
+verl's separate_async trainer and dataclasses require. The stage logic (PASS/FAIL, JSON summary,
+stop at the first failure with its last lines) runs for real with stand-in commands, and the
+environment probe's mode choice and its fallback are driven with faked probe results.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import sys
 from pathlib import Path
 
 import pandas as pd
@@ -18,9 +21,12 @@ import pytest
 from omegaconf import DictConfig, OmegaConf
 
 from verl_sat.default import smoke
+from verl_sat.preflight import gpu_env, stages
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "recipes/sat_paper/smoke_1gpu.sh"
+STAGES = ["env", "no_offload", "offload", "resume", "check"]
+OFFLOAD_OFF = "actor_rollout_ref.actor.optim.override_optimizer_config.optimizer_cpu_offload=false"
 
 
 def dry_run(tmp_path: Path, *extra: str) -> list[list[str]]:
@@ -52,18 +58,29 @@ def commands(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[list[
     return tmp, dry_run(tmp, "trainer.logger=[console,file]")
 
 
-def test_two_invocations_then_the_check(commands: tuple[Path, list[list[str]]]) -> None:
+def test_stages_in_order(commands: tuple[Path, list[list[str]]]) -> None:
     tmp, lines = commands
-    first, second, check = lines[0], lines[1], lines[2]
-    a, b = main_overrides(first), main_overrides(second)
-    assert "trainer.total_training_steps=2" in a and "trainer.total_training_steps=3" in b
-    assert [o for o in a if "total_training_steps" not in o] == [o for o in b if "total_training_steps" not in o]
-    assert a[-1] == b[-1] == "trainer.logger=[console,file]"  # the user's overrides reach both
+    assert len(lines) == len(STAGES)
+    env, no_offload, offload, resume, check = lines
+    # env: the probe, for the bridge verl imports (vanilla_mbridge=false: Megatron-Bridge)
+    assert env[1].endswith("verl_sat/preflight/gpu_env.py")
+    assert env[env.index("--gpu") + 1] == "0" and env[env.index("--bridge") + 1] == "megatron.bridge"
+    assert env[env.index("--slots-file") + 1] == str(tmp / "run" / "gpu_slots.sh")
+    # no_offload: its own run directory, one global step, optimizer on the GPU, no checkpoint
+    a, b, c = main_overrides(no_offload), main_overrides(offload), main_overrides(resume)
+    assert OFFLOAD_OFF in a and OFFLOAD_OFF not in b + c
+    assert f"sat.run_dir={tmp / 'run' / 'no_offload'}" in a and "trainer.total_training_steps=1" in a
+    assert "trainer.save_freq=-1" in a
+    # offload, then resume: the same run directory, steps 2 then 3
+    assert "trainer.total_training_steps=2" in b and "trainer.total_training_steps=3" in c
+    assert [o for o in b if "total_training_steps" not in o] == [o for o in c if "total_training_steps" not in o]
+    assert f"sat.run_dir={tmp / 'run'}" in b
+    assert a[-1] == b[-1] == c[-1] == "trainer.logger=[console,file]"  # the user's overrides reach all
     assert check[1:4] == ["-m", "verl_sat.default.smoke", "check"]
     assert check[check.index("--run-dir") + 1] == str(tmp / "run")
 
 
-@pytest.mark.parametrize("invocation", [0, 1])
+@pytest.mark.parametrize("invocation", [1, 2, 3])
 def test_overrides_compose_and_validate(
     commands: tuple[Path, list[list[str]]], invocation: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -79,13 +96,17 @@ def test_overrides_compose_and_validate(
     cfg = compose(main_overrides(lines[invocation]))
     prepare(cfg)
     arr, v1 = cfg.actor_rollout_ref, cfg.trainer.v1
-    # SGLang + Megatron, SAT-GSPO + R3, separate_async at lag 2
+    run = tmp / "run" / "no_offload" if invocation == 1 else tmp / "run"
+    # SGLang + Megatron, SAT-GSPO + R3 (packed sequences), separate_async at lag 2
     assert arr.rollout.name == "sglang" and arr.actor.strategy == "megatron"
     assert arr.actor.policy_loss.loss_mode == "sat_gspo" and v1.trainer_mode == "sat_separate_async"
     assert arr.actor.megatron.router_replay.mode == "R3" and arr.rollout.enable_rollout_routing_replay
+    assert arr.model.use_remove_padding and arr.actor.megatron.use_remove_padding
     assert cfg.algorithm.rollout_correction.bypass_mode and arr.rollout.calculate_log_probs
     assert cfg.sat.lag == 2 and v1.separate_async.parameter_sync_step == 2
     assert v1.sampler.max_off_policy_strategy == "wait"
+    # the first launch keeps the optimizer on the GPU, the others offload it as the recipe does
+    assert arr.actor.optim.override_optimizer_config.optimizer_cpu_offload is (invocation != 1)
     # PPOTrainerSeparateAsync.__init__'s assertions
     assert cfg.data.train_batch_size == 2 * arr.actor.ppo_mini_batch_size
     assert arr.rollout.nnodes > 0 and arr.rollout.n_gpus_per_node > 0
@@ -93,15 +114,16 @@ def test_overrides_compose_and_validate(
     # one GPU, two Ray slots: trainer + standalone rollout
     slots = cfg.trainer.n_gpus_per_node * cfg.trainer.nnodes + arr.rollout.n_gpus_per_node * arr.rollout.nnodes
     assert cfg.ray_kwargs.ray_init.num_gpus == slots == 2
-    # a checkpoint every step, resumed by the second invocation
-    assert cfg.trainer.save_freq == 1 and cfg.trainer.resume_mode == "auto"
-    assert cfg.trainer.total_training_steps == 2 + invocation
-    assert cfg.trainer.default_local_dir == str(tmp / "run" / "checkpoints")
-    assert cfg.ray_kwargs.ray_init.runtime_env.env_vars.VERL_FILE_LOGGER_PATH == str(tmp / "run" / "metrics.jsonl")
+    # a checkpoint every step in the offload run, resumed by the second invocation
+    assert cfg.trainer.resume_mode == "auto"
+    assert cfg.trainer.total_training_steps == [1, 2, 3][invocation - 1]
+    assert cfg.trainer.save_freq == (-1 if invocation == 1 else 1)
+    assert cfg.trainer.default_local_dir == str(run / "checkpoints")
+    assert cfg.ray_kwargs.ray_init.runtime_env.env_vars.VERL_FILE_LOGGER_PATH == str(run / "metrics.jsonl")
     # one whole sequence fits a micro-batch; the model's context holds it (SGLang caps max_model_len there)
     sequence = cfg.data.max_prompt_length + cfg.data.max_response_length
     assert arr.actor.ppo_max_token_len_per_gpu >= sequence
-    assert smoke.SMOKE_MODEL_KWARGS["max_position_embeddings"] >= sequence
+    assert smoke.SMOKE_MODEL_KWARGS["max_position_embeddings"] >= sequence + 1
     assert arr.model.path == str(tmp / "assets" / "model")
     assert cfg.reward.custom_reward_function.path == str(REPO / "verl_sat/default/reward.py")
     # verl's dataclasses and validation accept it
@@ -109,6 +131,144 @@ def test_overrides_compose_and_validate(
     assert isinstance(actor, McoreActorConfig) and isinstance(actor.policy_loss, SATPolicyLossConfig)
     assert isinstance(omega_conf_to_dataclass(arr.rollout), RolloutConfig)
     validate_config(cfg, use_reference_policy=True, use_critic=False)
+
+
+def test_the_fallback_slots_compose_into_the_runtime_env(
+    commands: tuple[Path, list[list[str]]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from verl_sat import main
+    from verl_sat.main import prepare
+
+    monkeypatch.setattr(main, "check_paths", lambda cfg: None)
+    monkeypatch.setenv("VERL_FILE_LOGGER_PATH", "restored after the test")
+    _, lines = commands
+    overrides = [o for o in main_overrides(lines[2]) if not o.startswith("+ray_kwargs")]
+    cfg = compose(overrides + gpu_env.slot_overrides("runtime_env", "0"))
+    prepare(cfg)
+    env_vars = cfg.ray_kwargs.ray_init.runtime_env.env_vars
+    # strings, as Ray's runtime env needs them; verl-sat's own entry is merged in beside them
+    assert (env_vars.CUDA_VISIBLE_DEVICES, env_vars[gpu_env.NOSET]) == ("0", "1")
+    assert env_vars.VERL_FILE_LOGGER_PATH.endswith("metrics.jsonl") and cfg.ray_kwargs.ray_init.num_gpus == 2
+    assert gpu_env.visible_devices("runtime_env", "0") == "0" and gpu_env.visible_devices("repeat", "3") == "3,3"
+
+
+# ---------------------------------------------------------------------------------------------
+# the stage runner and the environment probe
+# ---------------------------------------------------------------------------------------------
+def run_stage_cli(summary: Path, name: str, *command: str) -> subprocess.CompletedProcess:
+    runner = REPO / "verl_sat/preflight/stages.py"  # by path, as the script runs it
+    cli = [sys.executable, str(runner), "--summary", str(summary), "--name", name, "--tail", "3", "--", *command]
+    return subprocess.run(cli, capture_output=True, text=True)
+
+
+def test_stage_runner_passes_fails_and_keeps_a_summary(tmp_path: Path) -> None:
+    summary = tmp_path / "smoke_summary.json"
+    ok = run_stage_cli(summary, "first", "bash", "-c", "echo hello")
+    assert ok.returncode == 0 and "hello" in ok.stdout
+    assert [line for line in ok.stdout.splitlines() if line.startswith("[smoke] PASS")] != []
+    failing = "for i in 1 2 3 4 5; do echo line $i; done; exit 3"
+    bad = run_stage_cli(summary, "second", "bash", "-c", failing)
+    assert bad.returncode == 3
+    out = bad.stdout.splitlines()
+    (fail,) = [line for line in out if line.startswith("[smoke] FAIL second")]
+    assert "exit 3" in fail and "the last 3 lines" in fail
+    assert out[out.index(fail) + 1 :][:3] == ["[smoke]   | line 3", "[smoke]   | line 4", "[smoke]   | line 5"]
+    report = json.loads(summary.read_text())
+    assert (report["ok"], report["failed"]) == (False, "second")
+    assert [(s["name"], s["status"], s["returncode"]) for s in report["stages"]] == [
+        ("first", "PASS", 0),
+        ("second", "FAIL", 3),
+    ]
+    assert report["stages"][1]["tail"] == ["line 3", "line 4", "line 5"]
+    assert (tmp_path / "stages" / "second.log").read_text().count("line") == 5
+    missing = run_stage_cli(summary, "third", str(tmp_path / "no-such-command"))
+    assert missing.returncode == 127 and json.loads(summary.read_text())["failed"] == "second"
+
+
+FAKE_PYTHON = """#!/usr/bin/env bash
+# Stands in for python: the stage runner runs for real, the probe picks the fallback mode, the
+# first verl_sat.main launch passes and the offload launch fails.
+case "$1" in
+    *stages.py) exec "{python}" "$@" ;;
+    *gpu_env.py)
+        while [[ $# -gt 0 ]]; do [[ $1 == --slots-file ]] && slots=$2; shift; done
+        "{python}" -c "import sys; sys.path.insert(0, '{repo}'); from verl_sat.preflight import gpu_env; \
+open('$slots', 'w').write(gpu_env.slots_file('runtime_env', '0'))"
+        echo "probe ok" ;;
+    -m)
+        echo "CUDA_VISIBLE_DEVICES=$CUDA_VISIBLE_DEVICES $*" >> "{calls}"
+        if [[ " $* " != *optimizer_cpu_offload=false* ]]; then
+            for i in $(seq 1 50); do echo "training line $i"; done
+            echo "RuntimeError: offload broke"; exit 3
+        fi
+        echo "one step done" ;;
+esac
+"""
+
+
+def test_the_script_stops_at_the_first_failing_stage(tmp_path: Path) -> None:
+    calls = tmp_path / "calls.txt"
+    fake = tmp_path / "python"
+    fake.write_text(FAKE_PYTHON.format(python=sys.executable, repo=REPO, calls=calls))
+    fake.chmod(0o755)
+    (tmp_path / "assets" / "model").mkdir(parents=True)
+    (tmp_path / "assets" / "model" / "config.json").write_text("{}")  # built: no assets stage
+    run = tmp_path / "run"
+    env = dict(os.environ, PYTHON=str(fake), RUN_DIR=str(run), ASSETS_DIR=str(tmp_path / "assets"))
+    env.pop("DRY_RUN", None)
+    out = subprocess.run(["bash", str(SCRIPT), "trainer.logger=[console]"], env=env, capture_output=True, text=True)
+    assert out.returncode == 1
+    verdicts = [line.split()[1:3] for line in out.stdout.splitlines() if line.split()[1:2] in (["PASS"], ["FAIL"])]
+    assert verdicts == [["PASS", "env"], ["PASS", "no_offload"], ["FAIL", "offload"]]
+    assert "[smoke]   | RuntimeError: offload broke" in out.stdout
+    report = json.loads((run / "smoke_summary.json").read_text())
+    assert report["failed"] == "offload" and [s["name"] for s in report["stages"]] == STAGES[:3]
+    assert report["stages"][2]["tail"][-1] == "RuntimeError: offload broke"
+    # the launches used the mode the probe chose: one device, slots mapped by the runtime env
+    launches = calls.read_text().splitlines()
+    assert len(launches) == 2 and all(line.startswith("CUDA_VISIBLE_DEVICES=0 ") for line in launches)
+    assert all("+ray_kwargs.ray_init.runtime_env.env_vars.CUDA_VISIBLE_DEVICES='0'" in line for line in launches)
+
+
+def test_probe_falls_back_only_when_repeat_fails() -> None:
+    imports_ok = lambda module: {"ok": True, "version": "1"}  # noqa: E731
+    tried: list[str] = []
+
+    def modes(results: dict[str, bool]):
+        def probe(mode: str, gpu: str) -> dict:
+            tried.append(mode)
+            return {"ok": results[mode]}
+
+        return probe
+
+    report = gpu_env.run_probe("0", "megatron.bridge", imports_ok, modes({"repeat": True, "runtime_env": True}))
+    assert (report["ok"], report["mode"], tried) == (True, "repeat", ["repeat"])
+    tried.clear()
+    report = gpu_env.run_probe("0", "megatron.bridge", imports_ok, modes({"repeat": False, "runtime_env": True}))
+    assert (report["ok"], report["mode"], tried) == (True, "runtime_env", ["repeat", "runtime_env"])
+    report = gpu_env.run_probe("0", "megatron.bridge", imports_ok, modes({"repeat": False, "runtime_env": False}))
+    assert (report["ok"], report["mode"]) == (False, None)
+    no_bridge = lambda module: {"ok": module != "megatron.bridge", "error": "ModuleNotFoundError"}  # noqa: E731
+    report = gpu_env.run_probe("0", "megatron.bridge", no_bridge, modes({"repeat": True, "runtime_env": True}))
+    assert report["ok"] is False and report["imports"]["megatron.bridge"]["ok"] is False
+    assert set(report["imports"]) == {"sglang", "megatron-core", "TransformerEngine", "megatron.bridge"}
+
+
+def test_slots_file_is_bash_the_script_can_source(tmp_path: Path) -> None:
+    path = tmp_path / "gpu_slots.sh"
+    path.write_text(gpu_env.slots_file("runtime_env", "1"))
+    script = f'source {path}; echo "$SLOT_MODE $SLOT_CUDA_VISIBLE_DEVICES"; printf "%s\\n" "${{SLOT_OVERRIDES[@]}}"'
+    lines = subprocess.run(["bash", "-c", script], capture_output=True, text=True, check=True).stdout.splitlines()
+    assert lines[0] == "runtime_env 1" and lines[1:] == gpu_env.slot_overrides("runtime_env", "1")
+
+
+def test_the_probe_reads_devices_under_the_launchs_visible_devices() -> None:
+    # a real child process on this CPU node: torch sees CUDA_VISIBLE_DEVICES=0,0 and no device
+    report = gpu_env.probe_mode("repeat", "0")
+    assert report["ok"] is False
+    assert report["torch"]["cuda_visible_devices"] == "0,0" and report["torch"]["device_count"] == 0
+    assert "device_count()=0 under CUDA_VISIBLE_DEVICES=0,0" in gpu_env.describe(report)
+    assert stages.PREFIX == "[smoke]"
 
 
 def test_assets_build_for_sglang_and_megatron(tmp_path: Path) -> None:

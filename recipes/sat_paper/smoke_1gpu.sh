@@ -1,38 +1,66 @@
 #!/usr/bin/env bash
-# The paper's pipeline on ONE GPU, as a smoke test: SAT-GSPO + R3, Megatron training, SGLang
-# rollout, verl's separate_async trainer at lag 2 (sat.lag=2: two optimizer steps per weight
-# broadcast), on a tiny Qwen3-MoE built here (verl_sat/default/smoke.py). It runs 2 global steps
-# with a checkpoint after each, then a second invocation in the same run directory resumes from
-# the step-2 checkpoint and trains step 3, then checks the run directory. It checks the wiring,
-# not any number (random weights: the reward is about 0). Meant to take under 8 minutes on one
-# H200; it has NOT been run yet (no GPU was at hand; docs/reproduce.md).
+# The paper's pipeline on ONE GPU, as a smoke test run in stages: SAT-GSPO + R3, Megatron
+# training, SGLang rollout, verl's separate_async trainer at lag 2 (sat.lag=2: two optimizer steps
+# per weight broadcast), on a tiny Qwen3-MoE built here (verl_sat/default/smoke.py). It checks the
+# wiring, not any number (random weights: the reward is about 0). Meant to take under 8 minutes
+# on one H200; it has NOT been run yet (no GPU was at hand; docs/reproduce.md).
 #
-#   recipes/sat_paper/smoke_1gpu.sh [hydra overrides...]     # overrides go to both invocations
-#   DRY_RUN=1 recipes/sat_paper/smoke_1gpu.sh                # print the commands instead
+#   recipes/sat_paper/smoke_1gpu.sh [hydra overrides...]     # overrides go to every launch
+#   DRY_RUN=1 recipes/sat_paper/smoke_1gpu.sh                # print the stages' commands instead
 #
-# One GPU, two Ray "GPU" slots: separate_async needs a trainer slot and a rollout slot, so
-# CUDA_VISIBLE_DEVICES lists the GPU twice and Ray counts it twice (each slot's processes then see
-# that one GPU). Weights go trainer -> SGLang through verl-sat's ray_object_store engine, because
-# NCCL refuses two ranks on one device. Needs verl with its megatron and sglang extras.
+# Stages, each printing "[smoke] PASS|FAIL <stage> (<s> s)" and recorded in
+# ${RUN_DIR}/smoke_summary.json (logs in ${RUN_DIR}/stages/); the first failure stops the script
+# and repeats its command's last lines (verl_sat/preflight/stages.py):
+#   env         torch.cuda.device_count() under the CUDA_VISIBLE_DEVICES the launches use, two Ray
+#               GPU slots on the one GPU, imports of sglang, megatron-core, the bridge verl imports
+#               and TransformerEngine (verl_sat/preflight/gpu_env.py)
+#   assets      the tiny model and task (once per ASSETS_DIR)
+#   no_offload  1 global step with the optimizer on the GPU (${RUN_DIR}/no_offload)
+#   offload     2 global steps with the recipe's CPU-offloaded optimizer, a checkpoint after each
+#   resume      a second invocation in the same run directory: resumes at step 2, trains step 3
+#   check       the run directory (verl_sat/default/smoke.py check)
+#
+# One GPU, two Ray "GPU" slots (trainer + standalone rollout): the env stage tries
+# CUDA_VISIBLE_DEVICES=<gpu>,<gpu> first and falls back to one device with both slots mapped onto
+# it through ray_kwargs.ray_init.runtime_env (gpu_env.py says how); the launches use what passed.
+# Weights go trainer -> SGLang through verl-sat's ray_object_store engine, because NCCL refuses two
+# ranks on one device. Needs verl with its megatron and sglang extras (docs/reproduce.md).
 set -euo pipefail
 
 REPO_ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 PYTHON=${PYTHON:-python}
-# A fresh run directory each time (the second invocation must resume from the first's checkpoint).
+# A fresh run directory each time (the resume must find only the offload stage's checkpoints).
 RUN_DIR=${RUN_DIR:-${REPO_ROOT}/runs/smoke_1gpu-$(date +%Y%m%d-%H%M%S)}
 ASSETS_DIR=${ASSETS_DIR:-${REPO_ROOT}/runs/smoke_1gpu_assets}
 GPU=${GPU:-0}
+# The bridge verl's Megatron engine imports (actor.megatron.vanilla_mbridge=false: Megatron-Bridge).
+BRIDGE=${BRIDGE:-megatron.bridge}
 LAG=2
 STEPS=2
 RESUMED_STEPS=1
-export CUDA_VISIBLE_DEVICES=${GPU},${GPU}
+SUMMARY=${RUN_DIR}/smoke_summary.json
 export CUDA_DEVICE_MAX_CONNECTIONS=1
+# Two Ray GPU slots on one GPU; the env stage replaces these with the mode that passed.
+SLOT_MODE=repeat
+SLOT_CUDA_VISIBLE_DEVICES=${GPU},${GPU}
+SLOT_OVERRIDES=(+ray_kwargs.ray_init.num_gpus=2)
 
-# One invocation of verl_sat.main: the cell sat_gspo_r3 (algorithm, stabilizer, sat.method) at
-# sat.lag=2 (verl_sat.schedule derives batch size, parameter_sync_step and warm-up from it),
-# scaled down to the tiny model, until global step $1.
+# One stage: its command through the stage runner (DRY_RUN: the command only).
+stage() {
+    if [[ -n ${DRY_RUN:-} ]]; then
+        echo "${@:2}"
+    else
+        "${PYTHON}" "${REPO_ROOT}/verl_sat/preflight/stages.py" --summary "${SUMMARY}" --name "$1" -- "${@:2}" ||
+            exit 1
+    fi
+}
+
+# LAUNCH := one invocation of verl_sat.main: the cell sat_gspo_r3 (algorithm, stabilizer,
+# sat.method) at sat.lag=2 (verl_sat.schedule derives batch size, parameter_sync_step and warm-up
+# from it), scaled down to the tiny model, in run directory $1 until global step $2; then the
+# stage's overrides and the user's ($3...).
 launch() {
-    ${DRY_RUN:+echo} "${PYTHON}" -m verl_sat.main \
+    LAUNCH=("${PYTHON}" -m verl_sat.main \
         --config-path "${REPO_ROOT}/hydra_configs" \
         --config-name sat_paper \
         algorithm=sat_gspo \
@@ -40,8 +68,8 @@ launch() {
         lag=n1 \
         sat.lag=${LAG} \
         sat.method=sat_gspo_r3 \
-        sat.run_dir="${RUN_DIR}" \
-        hydra.run.dir="${RUN_DIR}/hydra" \
+        sat.run_dir="$1" \
+        hydra.run.dir="$1/hydra" \
         trainer.project_name=sat_paper_smoke \
         actor_rollout_ref.model.path="${ASSETS_DIR}/model" \
         data.train_files="${ASSETS_DIR}/data/train.parquet" \
@@ -62,19 +90,33 @@ launch() {
         actor_rollout_ref.rollout.gpu_memory_utilization=0.3 \
         actor_rollout_ref.rollout.checkpoint_engine.backend=ray_object_store \
         trainer.n_gpus_per_node=1 \
-        +ray_kwargs.ray_init.num_gpus=2 \
+        "${SLOT_OVERRIDES[@]}" \
         trainer.val_before_train=false \
-        trainer.test_freq=${STEPS} \
-        trainer.save_freq=1 \
         trainer.resume_mode=auto \
-        trainer.total_training_steps="$1" \
-        "${@:2}"
+        trainer.total_training_steps="$2" \
+        "${@:3}")
 }
 
-[[ -n ${DRY_RUN:-} || -f ${ASSETS_DIR}/model/config.json ]] || "${PYTHON}" -m verl_sat.default.smoke build --out "${ASSETS_DIR}"
-[[ ! -e ${RUN_DIR}/metrics.jsonl ]] || { echo "${RUN_DIR} already holds a run; set RUN_DIR=" >&2; exit 1; }
-launch "${STEPS}" "$@"
-launch "$((STEPS + RESUMED_STEPS))" "$@"
-${DRY_RUN:+echo} "${PYTHON}" -m verl_sat.default.smoke check \
+[[ -n ${DRY_RUN:-} || ! -e ${RUN_DIR}/metrics.jsonl ]] || { echo "${RUN_DIR} already holds a run; set RUN_DIR=" >&2; exit 1; }
+[[ -n ${DRY_RUN:-} ]] || mkdir -p "${RUN_DIR}"
+
+stage env "${PYTHON}" "${REPO_ROOT}/verl_sat/preflight/gpu_env.py" --gpu "${GPU}" --bridge "${BRIDGE}" \
+    --slots-file "${RUN_DIR}/gpu_slots.sh" --json "${RUN_DIR}/gpu_env.json"
+# shellcheck source=/dev/null
+[[ -n ${DRY_RUN:-} ]] || source "${RUN_DIR}/gpu_slots.sh"
+export CUDA_VISIBLE_DEVICES=${SLOT_CUDA_VISIBLE_DEVICES}
+echo "[smoke] two Ray GPU slots on GPU ${GPU}: mode ${SLOT_MODE} (CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES})" >&2
+
+[[ -n ${DRY_RUN:-} || -f ${ASSETS_DIR}/model/config.json ]] ||
+    stage assets "${PYTHON}" -m verl_sat.default.smoke build --out "${ASSETS_DIR}"
+
+OFFLOAD_OFF=actor_rollout_ref.actor.optim.override_optimizer_config.optimizer_cpu_offload=false
+launch "${RUN_DIR}/no_offload" 1 "${OFFLOAD_OFF}" trainer.test_freq=-1 trainer.save_freq=-1 "$@"
+stage no_offload "${LAUNCH[@]}"
+launch "${RUN_DIR}" "${STEPS}" trainer.test_freq=${STEPS} trainer.save_freq=1 "$@"
+stage offload "${LAUNCH[@]}"
+launch "${RUN_DIR}" "$((STEPS + RESUMED_STEPS))" trainer.test_freq=${STEPS} trainer.save_freq=1 "$@"
+stage resume "${LAUNCH[@]}"
+stage check "${PYTHON}" -m verl_sat.default.smoke check \
     --run-dir "${RUN_DIR}" --lag ${LAG} --steps ${STEPS} --resumed-steps ${RESUMED_STEPS}
-echo "[verl-sat] smoke: ${SECONDS} s in all"
+[[ -n ${DRY_RUN:-} ]] || echo "[smoke] all stages passed in ${SECONDS} s; summary: ${SUMMARY}"
