@@ -20,6 +20,7 @@ from verl_sat.eval.sampling import (
     Completion,
     HFBackend,
     Job,
+    ResumeRefused,
     SamplingConfig,
     ServerBackend,
     ServerError,
@@ -258,6 +259,72 @@ def test_cli_hf(tiny_checkpoint: Path, tmp_path: Path, capsys: pytest.CaptureFix
     assert summary["source"] == str(aime24_path())
     assert "avg@2 =" in capsys.readouterr().out
     assert json.loads((tmp_path / "m.jsonl").read_text())["step"] == 10
+
+
+class DiesAfter:
+    """Wraps a backend: hands back ``n`` completions, then fails as a crashed process would."""
+
+    def __init__(self, backend: HFBackend, n: int) -> None:
+        self.backend, self.n = backend, n
+
+    def generate(self, jobs: Sequence[Job], cfg: SamplingConfig) -> Iterator[tuple[Job, Completion]]:
+        for count, item in enumerate(self.backend.generate(jobs, cfg)):
+            if count == self.n:
+                raise RuntimeError("killed")
+            yield item
+
+    def describe(self) -> dict:
+        return self.backend.describe()
+
+    def identity(self) -> dict:
+        return self.backend.identity()
+
+
+def test_hf_resume_equals_an_uninterrupted_run(tiny_checkpoint: Path, tmp_path: Path) -> None:
+    """Each HF sample draws from its own generator: resumed in other batches, the samples are the same."""
+    problems = load_problems(aime24_path(), limit=2)
+    backend = HFBackend(tiny_checkpoint, batch_size=4)
+    cfg = SamplingConfig(k=3, max_tokens=8, seed=5)
+    whole = run_eval(problems, backend, cfg, tmp_path / "whole", progress=False)
+    with pytest.raises(RuntimeError, match="killed"):
+        run_eval(problems, DiesAfter(backend, 2), cfg, tmp_path / "cut", progress=False)
+    kept = (tmp_path / "cut" / "samples.jsonl").read_text().splitlines()
+    assert len(kept) == 2 and not (tmp_path / "cut" / "summary.json").exists()
+    # the 4 missing samples are drawn in one batch of two problems (first run: batches [p0 x3, p1], [p1 x2])
+    resumed = run_eval(
+        problems, HFBackend(tiny_checkpoint, batch_size=5), cfg, tmp_path / "cut", progress=False, resume=True
+    )
+    assert resumed["resumed_from"] == 2
+    whole_lines = (tmp_path / "whole" / "samples.jsonl").read_text().splitlines()
+    assert (tmp_path / "cut" / "samples.jsonl").read_text().splitlines() == whole_lines
+    assert len({json.loads(line)["response"] for line in whole_lines}) > 1  # the samples do differ
+    assert resumed["per_problem"] == whole["per_problem"]
+    with pytest.raises(ResumeRefused, match="dtype='float32', this run has dtype='bfloat16'"):
+        run_eval(
+            problems, HFBackend(tiny_checkpoint, dtype="bfloat16"), cfg, tmp_path / "cut", progress=False, resume=True
+        )
+
+
+def test_hf_sampler_follows_top_k_and_top_p() -> None:
+    """The per-sample sampler draws only from the top-k / top-p set, and greedy at top_k = 1."""
+    import torch
+
+    from verl_sat.eval.sampling import per_sample_sampler
+
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]] * 64))
+    for cfg, allowed in [
+        (SamplingConfig(top_k=2), {0, 1}),
+        (SamplingConfig(top_p=0.7), {0, 1}),  # 0.5 + 0.3 >= 0.7
+        (SamplingConfig(top_p=0.5), {0}),
+        (SamplingConfig(top_k=1), {0}),
+        (SamplingConfig(), {0, 1, 2, 3}),
+    ]:
+        out = per_sample_sampler(list(range(64)), cfg)(torch.zeros(64, 1, dtype=torch.long), logits)
+        assert bool((torch.isfinite(out).sum(-1) == 1).all())  # one token per row left
+        drawn = set(out.argmax(-1).tolist())
+        assert drawn <= allowed and (len(allowed) == 1 or len(drawn) > 1), (cfg, drawn)
+    again = per_sample_sampler(list(range(64)), SamplingConfig())(torch.zeros(64, 1, dtype=torch.long), logits)
+    assert torch.equal(again.argmax(-1), out.argmax(-1))  # same seeds, same draws
 
 
 def test_hf_backend_rejects_non_checkpoint(tmp_path: Path) -> None:

@@ -419,7 +419,7 @@ def test_backoff_is_bounded_and_jittered(max_retries: int, backoff: float, jitte
     for retry, cap in enumerate(caps[:-1], start=1):
         assert (1 - jitter) * cap - 1e-12 <= policy.delay_s(retry, rng) <= cap + 1e-12
     assert policy.budget_s == pytest.approx(sum(caps[:-1]))
-    assert policy.grace_s == caps[-1]
+    assert policy.grace_s == caps[max(0, max_retries - 1)] <= max(caps[0], policy.budget_s)
 
 
 def test_retry_policy_validates() -> None:
@@ -444,6 +444,15 @@ def test_which_statuses_are_retried() -> None:
             "pass --max-tokens 3096 or less",
         ),
         ("Input length (2000) exceeds model's maximum context length (1024).", "shorten the prompt"),
+        (
+            VLLM_028_CONTEXT.format(c=512, m=2000, p="at least 113", t="at least 513"),  # vLLM stopped counting
+            "prompt (at least 113 tokens) + --max-tokens 2000: lower --max-tokens to 512 minus the prompt's length",
+        ),
+        (
+            "max_tokens=2000 cannot be greater than max_model_len=max_total_tokens=512. Please request fewer "
+            "output tokens.",
+            "the server's context is 512 tokens",
+        ),
         ("max_tokens must not exceed the model's context length", "lower --max-tokens"),
         ("Invalid model name", None),
     ],

@@ -11,7 +11,7 @@ flight from daemon worker threads. What a request survives and what ends the eva
   a ``ContextLengthError`` naming the problem, the numbers and what to change.
 - **Fail fast**: after a fatal error no further request is sent (the queued ones are cancelled),
   requests waiting in a backoff stop at once, and requests still waiting on the server get at
-  most ``RetryPolicy.grace_s`` (the next backoff step) to finish; what finishes in time is
+  most ``RetryPolicy.grace_s`` (the last backoff step, 16 s by default) to finish; what finishes in time is
   handed back with the rest, then the error is raised. The workers are daemon threads, so a
   request stuck in a socket never holds the process.
 
@@ -43,7 +43,7 @@ RETRYABLE_HTTP = frozenset({408, 409, 425, 429})  # and every 5xx
 MIN_TOKENS_PER_S = 10.0  # the slowest per-sequence decode speed the default timeout allows for
 TIMEOUT_FLOOR_S = 60.0
 MODELS_TIMEOUT_S = 60.0
-_CONTEXT_RE = re.compile(r"maximum context length (?:is |\()(\d+)", re.IGNORECASE)
+_CONTEXT_RE = re.compile(r"(?:maximum context length (?:is |\()|max_model_len=(?:max_total_tokens=)?)(\d+)", re.I)
 _PROMPT_RES = (
     re.compile(r"prompt contains (?:at least )?(\d+) input tokens", re.IGNORECASE),  # vLLM 0.28 (renderers/params.py)
     re.compile(r"request has (\d+) input tokens", re.IGNORECASE),  # older vLLM releases
@@ -104,8 +104,8 @@ class RetryPolicy:
 
     @property
     def grace_s(self) -> float:
-        """How long requests still in flight get after a fatal error: the next backoff step."""
-        return self.max_delay_s(self.max_retries + 1)
+        """How long requests still waiting on the server get after a fatal error: the last backoff step."""
+        return self.max_delay_s(max(1, self.max_retries))
 
 
 class ServerError(RuntimeError):
@@ -148,18 +148,30 @@ def context_advice(body: str, max_tokens: int) -> str | None:
         return None
     context = _CONTEXT_RE.search(body)
     prompt = next((m for m in (r.search(body) for r in _PROMPT_RES) if m), None)
-    if context and prompt:
-        c, p = int(context.group(1)), int(prompt.group(1))
-        room = c - p
-        fix = f"pass --max-tokens {room} or less" if room > 0 else "shorten the prompt"
+    longer = "serve the model with a longer context (vLLM: --max-model-len"
+    new_eval = "(a new evaluation: use a new --out)"
+    if context is None:
         return (
-            f"the server's context of {c} tokens is smaller than the prompt ({p} tokens) + --max-tokens "
-            f"{max_tokens}: {fix} (a new evaluation: use a new --out), or serve the model with a context of "
-            f"at least {p + max_tokens} tokens (vLLM: --max-model-len {p + max_tokens})"
+            f"the prompt + --max-tokens {max_tokens} does not fit the server's context: lower --max-tokens "
+            f"{new_eval} or {longer})"
         )
+    c = int(context.group(1))
+    if prompt is None:
+        return (
+            f"the server's context is {c} tokens, too small for the prompt + --max-tokens {max_tokens}: lower "
+            f"--max-tokens below {c} minus the prompt's length {new_eval}, or {longer})"
+        )
+    p = int(prompt.group(prompt.lastindex or 1))
+    if "at least" in prompt.group(0).lower():  # vLLM counted only up to what would have fitted
+        return (
+            f"the server's context of {c} tokens is smaller than the prompt (at least {p} tokens) + --max-tokens "
+            f"{max_tokens}: lower --max-tokens to {c} minus the prompt's length or less {new_eval}, or {longer} "
+            f"{p + max_tokens} or more)"
+        )
+    fix = f"pass --max-tokens {c - p} or less" if c > p else "shorten the prompt"
     return (
-        f"the prompt + --max-tokens {max_tokens} does not fit the server's context: lower --max-tokens "
-        f"(a new evaluation: use a new --out) or serve the model with a longer context (vLLM: --max-model-len)"
+        f"the server's context of {c} tokens is smaller than the prompt ({p} tokens) + --max-tokens {max_tokens}: "
+        f"{fix} {new_eval}, or {longer} {p + max_tokens})"
     )
 
 
