@@ -176,7 +176,8 @@ def normalize_answer(answer: str) -> str:
     if s.startswith("."):
         s = "0" + s
     if re.fullmatch(r"[+-]?\d+", s):  # "025" -> "25", "+7" -> "7", "-0" -> "0"
-        s = str(int(s))
+        digits = s.lstrip("+-").lstrip("0") or "0"  # not int(s): Python refuses over 4300 digits
+        s = "-" + digits if s.startswith("-") and digits != "0" else digits
     return s.replace(_ROW_BREAK, "\\\\")
 
 
