@@ -16,6 +16,11 @@ Each pass starts with the verifier's caches cleared (a step's responses are new;
 ground truths repeat within a group). One burn-in pass on other responses imports and warms
 both scorers, then the scorers alternate for ``--repeats`` passes; the median is reported as
 responses per second, with the ratio and how often the two agree.
+
+``--latency`` also times single calls that tests/test_verify.py only checks for behaviour
+(issue 27): each costly answer of ``COSTLY`` (its verdict, and the seconds one call takes with
+the caches cleared) and how long ``call_with_timeout`` takes to give up on stuck work against
+its deadline, in the main thread and in a worker thread.
 """
 
 from __future__ import annotations
@@ -24,12 +29,32 @@ import argparse
 import platform
 import random
 import statistics
+import threading
 import time
 from collections.abc import Callable
 
 from verl.utils.reward_score import default_compute_score
 
-from verl_sat.eval.verify import _math_verify_parse, _symbolic_equal, compute_score, normalize_answer
+from verl_sat.eval.verify import (
+    _math_verify_parse,
+    _symbolic_equal,
+    call_with_timeout,
+    compute_score,
+    normalize_answer,
+    verify,
+)
+
+# (response, ground truth): answers built to be costly (the cost bounds refuse the first four)
+COSTLY = [
+    ("\\boxed{10^{10^{10}}}", "1"),
+    ("\\boxed{2^{99999}}", "2^{99998}"),
+    ("\\boxed{(12345)!}", "1"),
+    ("\\boxed{" + "x^2+" * 60 + "1}", "1"),
+    ("\\boxed{\\sqrt{\\sqrt{\\sqrt{\\sqrt{\\sqrt{2}}}}}^{32}}", "2"),
+    ("\\boxed{" + "\\frac{1}{" * 30 + "2" + "}" * 30 + "}", "2"),
+    ("Answer: " + "9" * 5000, "9"),
+    ("\\boxed{\\sin(x)^2+\\cos(x)^2}", "1"),
+]
 
 
 def _fraction(rng: random.Random) -> tuple[str, str, str]:
@@ -138,6 +163,41 @@ def one_pass(scorer: Callable[[str, str], float], pairs: list[tuple[str, str]]) 
     return time.perf_counter() - start, scores, _symbolic_equal.cache_info().misses
 
 
+def latency(deadline_s: float = 0.2) -> None:
+    """Seconds per costly answer (caches cleared), and how long a timeout takes to give up."""
+    print("single calls (caches cleared before each):")
+    for response, gold in COSTLY:
+        for memo in (normalize_answer, _symbolic_equal, _math_verify_parse):
+            memo.cache_clear()
+        start = time.perf_counter()
+        verdict = verify(response, gold)
+        print(f"  {time.perf_counter() - start:8.3f} s  {verdict!s:<5}  {response[:48]!r}")
+    release = threading.Event()
+
+    def stuck() -> None:
+        while not release.is_set():
+            time.sleep(0.01)
+
+    start = time.perf_counter()
+    call_with_timeout(stuck, deadline_s)
+    main_s = time.perf_counter() - start
+    seconds: list[float] = []
+
+    def in_worker() -> None:
+        began = time.perf_counter()
+        call_with_timeout(stuck, deadline_s)
+        seconds.append(time.perf_counter() - began)
+
+    worker = threading.Thread(target=in_worker)
+    worker.start()
+    worker.join()
+    release.set()
+    print(
+        f"call_with_timeout({deadline_s} s) on stuck work returned after {main_s:.3f} s (main thread, SIGALRM), "
+        f"{seconds[0]:.3f} s (worker thread)"
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--n", type=int, default=4096, help="responses per pass (the reward's batch)")
@@ -145,7 +205,10 @@ def main() -> None:
     parser.add_argument("--latex-frac", type=float, default=0.2, help="fraction of prompts with a LaTeX answer")
     parser.add_argument("--repeats", type=int, default=3, help="timed passes per scorer")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--latency", action="store_true", help="also time single costly calls and the timeout")
     args = parser.parse_args()
+    if args.latency:
+        latency()
 
     pairs = make_batch(args.n, args.chars, args.latex_frac, args.seed)
     burn_in = make_batch(min(args.n, 512), args.chars, args.latex_frac, args.seed + 1)
