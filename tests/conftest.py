@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 from pathlib import Path
 
@@ -13,6 +14,8 @@ from verl_sat import SATPolicyLossConfig
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED_DATA = Path(os.environ.get("VERL_SAT_SHARED_DATA", REPO.parent / "shared" / "data"))
+# in CI a skip for missing ../shared/data fails (tests/shared_data_ci.py); re-exported: the hook
+from shared_data_ci import pytest_runtest_makereport, shared_data_failure  # noqa: E402, F401
 
 
 def actor_config(
@@ -35,6 +38,13 @@ def actor_config(
         policy_loss=SATPolicyLossConfig(loss_mode=loss_mode, **sat),
         global_batch_info=global_batch_info or {},
     )
+
+
+@functools.lru_cache(maxsize=512)
+def cached_actor_config(loss_mode: str = "sat", **settings: object) -> ActorConfig:
+    """``actor_config``, built once per distinct settings (a validated ActorConfig costs ~1 ms;
+    property tests ask for the same few thousands of times). Shared: do not mutate it."""
+    return actor_config(loss_mode, **settings)
 
 
 @pytest.fixture
