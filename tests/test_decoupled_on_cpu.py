@@ -2,16 +2,28 @@
 
 ``sat_score_against=rollout_log_probs`` takes mu from ``verl_sat.losses.LossContext``, which
 verl-sat's worker loss opens with the batch's rollout log-probs. The rule itself is unchanged,
-so SPEC §2's properties hold for whatever score d it is given; these tests check the wiring.
+so SPEC §2's properties hold for whatever score d it is given. The property tests draw from
+``sat_strategies.sat_cases(decoupled=True)`` (the staleness in the score against mu, the ratio
+against old_log_prob k times it plus noise) and compare with the spec's formulas.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
-from conftest import actor_config, random_batch
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from conftest import actor_config, cached_actor_config, random_batch
+from hypothesis import given
+from sat_strategies import (
+    LEVELS,
+    PROPERTY,
+    SATCase,
+    assert_biting_share,
+    gate_capacity,
+    run_loss,
+    sat_cases,
+    spec_rule,
+)
 from verl.trainer.ppo.core_algos import get_policy_loss_fn
 
 from verl_sat import SATPolicyLossConfig
@@ -19,18 +31,6 @@ from verl_sat.losses import loss_context
 from verl_sat.sat_rule import sat_factors
 
 DECOUPLED = {"sat_score_against": "rollout_log_probs"}
-SOME = settings(max_examples=100, deadline=None)
-cases = st.fixed_dictionaries(
-    {
-        "seed": st.integers(0, 2**31 - 1),
-        "batch": st.integers(1, 5),
-        "length": st.integers(1, 10),
-        "scale": st.sampled_from([0.01, 0.1, 0.5]),
-        "name": st.sampled_from(["sat", "sat_gspo"]),
-    }
-)
-
-
 def run(name: str, b: dict, cfg, mu: torch.Tensor | None = None, context: bool = True):
     """(loss, metrics, d loss/d log_prob, per-token loss, context) with ``mu`` in a LossContext."""
     log_prob = b["log_prob"].clone().requires_grad_(True)
@@ -61,40 +61,60 @@ def test_rollout_reference_without_mu_names_the_key(name):
         run(name, b, actor_config(name, **DECOUPLED), mu=torch.zeros(2, 5))
 
 
-@SOME
-@given(case=cases)
-def test_mu_equal_to_old_is_bit_identical_to_the_default(case):
+@pytest.mark.parametrize("level", LEVELS)
+def test_mu_equal_to_old_is_bit_identical_to_the_default(level):
     """In bypass mode mu is old_log_prob: the decoupled score changes nothing, bit for bit."""
-    name = case["name"]
-    b = random_batch(case["seed"], case["batch"], case["length"], case["scale"])
-    default = run(name, b, actor_config(name), context=False)
-    decoupled = run(name, b, actor_config(name, **DECOUPLED), mu=b["old_log_prob"].clone())
-    for a, c in zip(default[:4], decoupled[:4], strict=True):
-        if isinstance(a, dict):
-            assert a == pytest.approx(c, rel=1e-6)
-        elif a is None or c is None:  # the empty batch never touches the weights
-            assert a is None and c is None
-        else:
-            assert torch.equal(a, c)
+    flags = []
+
+    @PROPERTY
+    @given(case=sat_cases(level))
+    def check(case: SATCase) -> None:
+        settings = case.sat_settings()
+        default = run_loss(case.loss_name, case.batch(), cached_actor_config(case.loss_name, **settings))
+        cfg = cached_actor_config(case.loss_name, **settings, **DECOUPLED)
+        decoupled = run_loss(case.loss_name, case.batch(), cfg, mu=case.old_log_prob.clone())
+        assert torch.equal(default.loss, decoupled.loss) and torch.equal(default.grad, decoupled.grad)
+        assert torch.equal(default.token_loss, decoupled.token_loss) and torch.equal(default.gate, decoupled.gate)
+        assert default.metrics == pytest.approx(decoupled.metrics, rel=1e-6)
+        flags.append(spec_rule(case).bites)
+
+    check()
+    assert_biting_share(flags, f"decoupled, mu = old [{level}]")
 
 
-@SOME
-@given(case=cases, drift=st.sampled_from([0.05, 0.3, 1.0]))
-def test_pessimism_holds_with_the_score_against_mu(case, drift):
-    """S_SAT <= S_PPO per token whatever mu is: SAT only narrows the ratio's clip range."""
-    name = case["name"]
-    base = {"sat": "vanilla", "sat_gspo": "gspo"}[name]
-    b = random_batch(case["seed"], case["batch"], case["length"], case["scale"])
-    g = torch.Generator().manual_seed(case["seed"] % 2**31)
-    mu = b["old_log_prob"] - drift * torch.randn(b["old_log_prob"].shape, generator=g, dtype=torch.float64).float()
-    mask = b["response_mask"].bool()
-    if not mask.any():
-        return  # the empty batch: tests/test_losses_on_cpu.py
-    _, metrics, _, tok_sat, ctx = run(name, b, actor_config(name, **DECOUPLED), mu=mu)
-    _, _, _, tok_base, _ = run(base, b, actor_config(base), context=False)
-    assert torch.all(tok_sat[mask] >= tok_base[mask])
-    assert ctx.gate is not None and ctx.gate.shape == mask.shape
-    assert ctx.gate.sum().item() <= (1 - 0.9) * mask.sum().item() + 1e-9  # at most 1 - alpha gated
+@pytest.mark.parametrize("level", LEVELS)
+def test_decoupled_pessimism_locus_and_gate(level):
+    """SPEC §4: the gate and q from the score against mu, the bands from the ratio against
+    old_log_prob. -S_SAT >= -S_PPO on every token (strictly on the bands); the gradient differs
+    from PPO's exactly on the bands; the gate is the spec's and gates at most n - ceil(alpha n)
+    tokens; dbar_pi is measured against mu."""
+    flags = []
+
+    @PROPERTY
+    @given(case=sat_cases(level, decoupled=True))
+    def check(case: SATCase) -> None:
+        cfg = cached_actor_config(case.loss_name, **case.sat_settings(), **DECOUPLED)
+        cfg_base = cached_actor_config(case.base_name, eps_low=case.eps_low, eps_high=case.eps_high)
+        sat = run_loss(case.loss_name, case.batch(), cfg, mu=case.mu)
+        base = run_loss(case.base_name, case.batch(), cfg_base)
+        spec = spec_rule(case)
+        mask = case.mask
+        n = int(mask.sum())
+        assert np.array_equal(sat.gate.numpy(), spec.gate) and sat.metrics["actor/sat_q"] == spec.q
+        assert int(spec.gate.sum()) <= gate_capacity(n, case.alpha)
+        clear = mask & torch.from_numpy(~spec.ambiguous)
+        band = torch.from_numpy(spec.band) & clear
+        assert torch.all(sat.token_loss[mask] >= base.token_loss[mask])
+        assert torch.all(sat.token_loss[band] > base.token_loss[band])
+        changed = sat.grad != base.grad
+        assert torch.equal(changed[clear], band[clear])
+        assert torch.all(sat.grad[band] == 0)
+        dbar = (case.log_prob.double() - case.mu.double()).abs()[mask].mean().item()
+        assert sat.metrics["actor/mismatch_abs_mean"] == pytest.approx(dbar, rel=1e-5, abs=1e-9)
+        flags.append(spec.bites)
+
+    check()
+    assert_biting_share(flags, f"decoupled pessimism and locus [{level}]")
 
 
 def test_score_against_mu_while_the_ratio_stays_one():

@@ -9,8 +9,9 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from hypothesis import given, settings
+from hypothesis import given
 from hypothesis import strategies as st
+from sat_strategies import PROPERTY
 
 from verl_sat.quantile import exact_quantile, keys_to_float, ordered_keys, quantile_rank
 
@@ -27,7 +28,7 @@ def by_sorting(values: torch.Tensor, alpha: float, weights: torch.Tensor | None 
     return torch.sort(work).values[quantile_rank(alpha, work.numel()) - 1].to(values.dtype)
 
 
-@settings(max_examples=300, deadline=None)
+@PROPERTY
 @given(
     values=st.lists(st.floats(allow_nan=False, width=32), min_size=0, max_size=80),
     alpha=st.floats(0.01, 0.99),
@@ -38,7 +39,7 @@ def test_matches_the_sorted_definition_at_every_dtype(values, alpha, dtype):
     assert torch.equal(exact_quantile(x, alpha), by_sorting(x, alpha))
 
 
-@settings(max_examples=200, deadline=None)
+@PROPERTY
 @given(
     pairs=st.lists(st.tuples(st.floats(0, 5, width=32), st.integers(0, 50)), min_size=1, max_size=40),
     alpha=st.floats(0.01, 0.99),
