@@ -357,9 +357,11 @@ def write_csv(path: Path, stats: Sequence[dict[str, Any]]) -> Path:
 
 
 def load_runs(out: Path) -> tuple[list[Spec], dict[str, list[dict[str, Any]]]]:
+    """The complete runs under ``out/runs`` (a run still being written is left out)."""
     specs = [_spec(json.loads(p.read_text())) for p in sorted(out.glob("runs/*/study_spec.json"))]
     runs = {s.name: read_metrics(out / "runs" / s.name / METRICS_FILE) for s in specs}
-    return [s for s in specs if runs[s.name]], {k: v for k, v in runs.items() if v}
+    done = [s for s in specs if len(runs[s.name]) >= s.config().steps]
+    return done, {s.name: runs[s.name] for s in done}
 
 
 def _spec(raw: dict[str, Any]) -> Spec:
