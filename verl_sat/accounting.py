@@ -348,7 +348,8 @@ class SampleAccountingMixin:
                 positions.append(int(position))
                 if len(positions) >= wanted * 2 + EPOCH_ORDER_MARGIN:
                     break
-            ids = [_row_index(frame[p], p) for p in positions]
+            extra = frame["extra_info"] if "extra_info" in frame.column_names else [None] * len(frame)
+            ids = [_row_index({"extra_info": extra[p]}, p) for p in positions]
         except Exception:
             return
         self._account_write({"event": "epoch_order", "ids": ids})
