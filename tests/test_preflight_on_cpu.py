@@ -304,12 +304,13 @@ def test_a_model_not_on_this_node_fails_naming_the_download(cfg: DictConfig) -> 
     }
 
 
-def test_r3_cells_run_packed_and_r3_off_may_pad(tmp_path: Path) -> None:
-    for method in ("sat_gspo_r3", "grpo_tis_r3"):
-        r3 = preflight.resolve_cell(method, 1, run_dir=str(tmp_path))
-        assert r3.actor_rollout_ref.model.use_remove_padding is True
-        assert r3.actor_rollout_ref.actor.megatron.use_remove_padding is True
-        assert preflight.check_r3_padding(r3) == []
+def test_r3_cells_run_packed_and_r3_off_may_pad(cfg: DictConfig, tmp_path: Path) -> None:
+    # every R3 cell: tests/test_recipes.py; here the preflight's view of one, and of a cell without R3
+    assert cfg.actor_rollout_ref.model.use_remove_padding is True
+    assert cfg.actor_rollout_ref.actor.megatron.use_remove_padding is True
+    assert preflight.check_r3_padding(cfg) == []
+    set_key(cfg, "actor_rollout_ref.actor.megatron.use_remove_padding", False)
+    assert [f.key for f in preflight.check_r3_padding(cfg)] == ["actor_rollout_ref.actor.megatron.use_remove_padding"]
     plain = preflight.resolve_cell("sat_gspo", 1, run_dir=str(tmp_path))
     set_key(plain, "actor_rollout_ref.model.use_remove_padding", False)
     assert preflight.check_r3_padding(plain) == []
@@ -508,26 +509,21 @@ def test_main_leaves_hydras_flags_to_hydra(capsys: pytest.CaptureFixture[str], t
     )
 
 
-def test_done_when_the_preflight_on_the_base_models_config_dir(tmp_path: Path) -> None:
-    # The command on this CPU node: no GPUs and no weights, but no context-length failure.
-    cmd = [
-        sys.executable,
-        "-m",
-        "verl_sat.preflight",
-        "sat_gspo_r3",
-        "8",
-        f"actor_rollout_ref.model.path={BASE_MODEL_DIR}",
-        f"data.train_files={tmp_path}/train.parquet",
-        "--json",
-        "--cfg",
-        "job",
-    ]
-    out = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path)
-    report = json.loads(out.stdout)
-    assert out.returncode == 1 and not report["ok"]  # this node has no GPUs
+def test_done_when_the_preflight_on_the_base_models_config_dir(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    # The command, model path = a directory holding the Base model's config.json: the
+    # model is probed for real (probe_model), the node's other facts are the good node's.
+    def probe_fn(cfg: DictConfig) -> Facts:
+        return replace(good_facts(cfg), model=preflight.probe_model(cfg.actor_rollout_ref.model.path))
+
+    args = ["sat_gspo_r3", "8", f"actor_rollout_ref.model.path={BASE_MODEL_DIR}", "--json", "--cfg", "job"]
+    assert preflight.main([*args, "--run-dir", str(tmp_path)], probe_fn=probe_fn) == 0
+    report = json.loads(capsys.readouterr().out)
     assert not [f for f in report["findings"] if f["check"] == "context_length"], report["findings"]
     assert report["facts"]["model"]["config"]["max_position_embeddings"] == 32768
-    assert any(f["check"] == "gpu_count" and f["level"] == "fail" for f in report["findings"])
+    # no weights in the directory: the size-based estimates warn, nothing fails
+    assert {(f["check"], f["level"]) for f in report["findings"]} == {("host_memory", "warn"), ("disk", "warn")}
 
 
 def run_sh(tmp_path: Path, *extra: str, **env: str) -> list[str]:
@@ -550,6 +546,21 @@ def test_run_sh_runs_the_preflight_before_the_launch(tmp_path: Path) -> None:
     assert run_sh(tmp_path, SAT_SKIP_PREFLIGHT="1") == [launch]
 
 
+def test_run_sh_prints_the_config_without_gpus(tmp_path: Path) -> None:
+    # The command for real on this CPU node: Hydra prints the composed cell, no preflight
+    # runs (it would fail here: no GPUs) and no run directory is created.
+    env = dict(os.environ, PYTHON=sys.executable, RUNS_ROOT=str(tmp_path / "runs"))
+    env.pop("DRY_RUN", None)
+    cmd = ["bash", str(REPO / "recipes/sat_paper/run.sh"), "sat_gspo_r3", "8", "--cfg", "job"]
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-2000:]
+    printed = OmegaConf.create(out.stdout)
+    assert printed.actor_rollout_ref.actor.policy_loss.loss_mode == "sat_gspo"
+    assert printed.actor_rollout_ref.actor.megatron.router_replay.mode == "R3"
+    assert printed.data.max_response_length == 30720 and printed.sat.method == "sat_gspo_r3"
+    assert "[preflight]" not in out.stdout + out.stderr and not (tmp_path / "runs").exists()
+
+
 @pytest.mark.parametrize("flag", [["--cfg", "job"], ["-c", "all"], ["--info"], ["--hydra-help"], ["--help"]])
 def test_run_sh_skips_the_preflight_when_hydra_only_prints(tmp_path: Path, flag: list[str]) -> None:
     (launch,) = run_sh(tmp_path, *flag)
@@ -558,7 +569,16 @@ def test_run_sh_skips_the_preflight_when_hydra_only_prints(tmp_path: Path, flag:
 
 def test_module_imports_nothing_heavy() -> None:
     modules = sorted(Path(preflight.__file__).parent.glob("*.py"))
-    assert {m.name for m in modules} >= {"__init__.py", "__main__.py", "facts.py", "checks.py", "probe.py", "cli.py"}
+    assert {m.name for m in modules} >= {
+        "__init__.py",
+        "__main__.py",
+        "facts.py",
+        "checks.py",
+        "probe.py",
+        "cli.py",
+        "stages.py",
+        "gpu_env.py",
+    }
     top: set[str] = set()
     for module in modules:
         tree = ast.parse(module.read_text())
@@ -574,8 +594,11 @@ def test_module_imports_nothing_heavy() -> None:
         "json",
         "math",
         "os",
+        "shlex",
         "shutil",
+        "subprocess",
         "sys",
+        "time",
         "collections",
         "dataclasses",
         "pathlib",
