@@ -44,6 +44,7 @@ from verl_sat.schedule import (
     apply_actor,
     apply_lag,
     apply_routing_replay,
+    apply_strategy,
     gate_starvation_warning,
 )
 
@@ -376,6 +377,17 @@ def prepare(cfg: DictConfig) -> tuple[SATRecipeConfig, Path]:
     if filled:
         print(f"[verl-sat] embedded default fills what was left unset: {', '.join(filled)}", flush=True)
     check_paths(cfg)
+    dropped = apply_strategy(cfg, sat.strategy)
+    if sat.strategy != "fsdp":
+        print(
+            f"[verl-sat] sat.strategy={sat.strategy}: actor and reference on verl's {sat.strategy} engine"
+            + (
+                f" (dropped, FSDP-only: {', '.join(sorted({'.'.join(k.split('.')[1:3]) for k in dropped}))})"
+                if dropped
+                else ""
+            ),
+            flush=True,
+        )
     apply_lag(cfg, sat.lag)
     apply_actor(cfg, sat.actor)
     apply_routing_replay(cfg, sat.routing_replay)

@@ -24,6 +24,7 @@ earlier (``verl_sat.actor.staleness_in_steps`` measures it per sample). ``sync``
 from __future__ import annotations
 
 import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from fractions import Fraction
 from typing import Any
@@ -34,6 +35,9 @@ from verl_sat.faults import FaultConfig
 from verl_sat.sentinel import SentinelConfig
 
 ROUTING_REPLAY_MODES = ("disabled", "R2", "R3")
+STRATEGIES = ("fsdp", "megatron")  # sat.strategy: the actor's (and reference's) verl engine
+# Actor / reference keys that belong to the engine, not to the run: never carried across engines.
+ENGINE_KEYS = ("strategy", "_target_")
 ASYNC_MODE = "separate_async"
 # Train on the current or the previous weight version's prompts (verl counts global steps).
 OFF_POLICY_THRESHOLD = 2
@@ -58,6 +62,8 @@ class SATRecipeConfig:
             verl-sat's lines, verl's progress bar and errors; the rest goes to the run's console.log).
         sentinel: the collapse sentinel (``verl_sat.sentinel.SentinelConfig``, docs/sentinel.md).
         faults: injected faults for the fault tests (``verl_sat.faults.FaultConfig``, docs/faults.md).
+        strategy: ``fsdp`` (the config as composed) | ``megatron``: the actor and reference on verl's
+            Megatron engine (``apply_strategy``; on CPU with ``hydra_configs/strategy/megatron_cpu.yaml``).
     """
 
     lag: int = 1
@@ -70,8 +76,11 @@ class SATRecipeConfig:
     verbose: bool = False
     sentinel: SentinelConfig = field(default_factory=SentinelConfig)
     faults: FaultConfig = field(default_factory=FaultConfig)
+    strategy: str = "fsdp"
 
     def __post_init__(self) -> None:
+        if self.strategy not in STRATEGIES:
+            raise ValueError(f"sat.strategy must be one of {list(STRATEGIES)}, got {self.strategy!r}")
         if isinstance(self.lag, bool) or not isinstance(self.lag, int) or self.lag < 1:
             raise ValueError(f"sat.lag must be an integer >= 1, got {self.lag!r}")
         if self.routing_replay not in ROUTING_REPLAY_MODES:
@@ -99,6 +108,82 @@ class SATRecipeConfig:
         if sentinel.enabled and not values.get("actor", True):
             raise ValueError("sat.sentinel.enabled=true needs sat.actor=true (the sentinel runs in SATTrainerMixin)")
         return cls(**values, sentinel=sentinel)
+
+
+def _verl_reference_config(name: str) -> DictConfig:
+    """verl's fully expanded reference config (``verl/trainer/config/_generated_<name>.yaml``)."""
+    from importlib.resources import files
+
+    from omegaconf import OmegaConf
+
+    return OmegaConf.load(str(files("verl.trainer.config") / f"_generated_{name}.yaml"))
+
+
+def _leaves(node: Any, prefix: str = "") -> Iterator[tuple[str, Any]]:
+    if isinstance(node, dict) and node:
+        for key, value in node.items():
+            yield from _leaves(value, f"{prefix}.{key}" if prefix else str(key))
+    else:
+        yield prefix, node
+
+
+def carry_settings(current: DictConfig, fsdp_default: DictConfig, target: DictConfig) -> list[str]:
+    """Copy into ``target`` every leaf of ``current`` that differs from verl's FSDP default, when its
+    top-level node exists in ``target`` (loss, batch sizes, optimizer...); returns the leaves dropped
+    (engine-only nodes such as ``fsdp_config``). Interpolations compare unresolved."""
+    from omegaconf import OmegaConf
+
+    raw = OmegaConf.to_container(current, resolve=False)
+    default = OmegaConf.to_container(fsdp_default, resolve=False)
+    dropped = []
+    for path, value in _leaves(raw):
+        top = path.split(".")[0]
+        if top in ENGINE_KEYS:
+            continue
+        if OmegaConf.select(OmegaConf.create(default), path, default="__absent__") == value:
+            continue
+        if top not in target:
+            dropped.append(path)
+            continue
+        OmegaConf.update(target, path, value, merge=False, force_add=True)
+    return dropped
+
+
+def apply_strategy(cfg: DictConfig, strategy: str) -> list[str]:
+    """``sat.strategy=megatron``: the actor and reference move to verl's Megatron engine.
+
+    Each node is rebuilt from verl's own Megatron default (``_generated_ppo_megatron_trainer.yaml``,
+    what ``model_engine=megatron`` composes), carrying over every setting the run made on top of
+    verl's FSDP default (``carry_settings``: SAT's loss, batch sizes, learning rate...); FSDP-only
+    nodes are dropped and returned. On ``trainer.device=cpu``, ``hydra_configs/strategy/megatron_cpu.yaml``
+    (fp32, mbridge, megatron's local layers) is merged over it; the CPU patches that make megatron run
+    there are ``verl_sat.cpu.megatron``. ``fsdp`` leaves the config as composed.
+    """
+    if strategy not in STRATEGIES:
+        raise ValueError(f"sat.strategy must be one of {list(STRATEGIES)}, got {strategy!r}")
+    if strategy == "fsdp":
+        return []
+    from omegaconf import OmegaConf
+
+    from verl_sat.paths import hydra_config_dir
+
+    fsdp, megatron = _verl_reference_config("ppo_trainer"), _verl_reference_config("ppo_megatron_trainer")
+    dropped = []
+    with open_dict(cfg):
+        for role in ("actor", "ref"):
+            node = megatron.actor_rollout_ref[role].copy()
+            dropped += [
+                f"actor_rollout_ref.{role}.{p}"
+                for p in carry_settings(cfg.actor_rollout_ref[role], fsdp.actor_rollout_ref[role], node)
+            ]
+            cfg.actor_rollout_ref[role] = node
+        cfg.model_engine = "megatron"
+        if str(cfg.trainer.device) == "cpu":
+            cpu = OmegaConf.load(str(hydra_config_dir() / "strategy" / "megatron_cpu.yaml"))
+            merged = OmegaConf.merge(cfg, cpu)
+            for key in ("actor_rollout_ref",):
+                cfg[key] = merged[key]
+    return dropped
 
 
 def apply_lag(cfg: DictConfig, lag: int) -> None:
