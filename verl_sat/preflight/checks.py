@@ -516,7 +516,8 @@ def check_host_memory(cfg: DictConfig, facts: Facts) -> list[Finding]:
         Finding(
             "host_memory",
             key,
-            f"{' + '.join(parts)} = {gib(optimizer + held)} of host memory, {gib(facts.host_mem_available_bytes)} "
+            f"{' + '.join(parts)}{f' = {gib(optimizer + held)}' if len(parts) > 1 else ''} of host memory, "
+            f"{gib(facts.host_mem_available_bytes)} "
             f"available; use a node with more memory, or lower {OPTIM}.override_optimizer_config."
             "optimizer_offload_fraction / data.max_response_length / the lag",
         )
