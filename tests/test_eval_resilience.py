@@ -34,7 +34,7 @@ from verl_sat.eval.server import RetryPolicy, context_advice, is_retryable_statu
 from verl_sat.eval.store import read_samples
 
 REPO = Path(__file__).resolve().parents[1]
-START_S = 120  # generous: a subprocess that imports verl_sat.eval (math-verify, sympy) on a loaded machine
+START_S = 600  # a hang guard: importing verl_sat (verl, math-verify) took minutes at load average 20-37
 VLLM_028_CONTEXT = (
     "This model's maximum context length is {c} tokens. However, you requested {m} output tokens and your "
     "prompt contains {p} input tokens, for a total of {t} tokens. Please reduce the length of the input "
