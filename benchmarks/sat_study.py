@@ -42,6 +42,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import staleness_study  # noqa: E402  (the run spec)
 from staleness_study import run_all, smooth  # noqa: E402  (the worker pool and the moving average)
 
 from verl_sat.main import read_metrics  # noqa: E402
@@ -112,19 +113,8 @@ QUICK = {"arms": ("gspo_r3", "sat_gspo_r3"), "lags": (1, 8), "seeds": (801,), "s
 
 
 @dataclass(frozen=True)
-class Spec:
-    """One run: an arm at a lag and a seed with its settings (and a tag naming the setting)."""
-
-    arm: str
-    lag: int
-    seed: int
-    settings: tuple[tuple[str, Any], ...]
-    tag: str = ""
-
-    @property
-    def name(self) -> str:
-        tag = f"{self.tag}-" if self.tag else ""
-        return f"{tag}{self.arm}-lag{self.lag}-seed{self.seed}"
+class Spec(staleness_study.Spec):
+    """The stress study's run spec (arm, lag, seed, settings, tag; same run names), on this study's arms."""
 
     def config(self) -> LoopConfig:
         fields = {**dict(self.settings), **ARMS[self.arm], "lag": self.lag, "seed": self.seed}
