@@ -112,7 +112,12 @@ def in_schema(key: str, reference: set[str]) -> bool:
     if key in reference or key.startswith(OURS) or key.startswith(UNDECLARED):
         return True
     parts = key.split(".")
-    return any(part in FREE_FORM and ".".join(parts[: i + 1]) in reference for i, part in enumerate(parts))
+    return any(part in FREE_FORM and declared(".".join(parts[: i + 1]), reference) for i, part in enumerate(parts))
+
+
+def declared(path: str, reference: set[str]) -> bool:
+    """verl declares ``path``: as a leaf, or as a mapping with leaves of its own."""
+    return path in reference or any(key.startswith(path + ".") for key in reference)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -143,12 +143,24 @@ def test_run_dir_refuses_to_overwrite_a_run(tmp_path):
     with pytest.raises(FileExistsError, match="already holds a run"):
         make_run_dir(v1_config(), sat)
     assert (run_dir / "metrics.jsonl").read_text() == '{"step": 1, "data": {}}\n'  # nothing lost
-    # with a checkpoint to resume from, the earlier lines are kept aside, not truncated by verl
-    (run_dir / "checkpoints" / "global_step_1").mkdir(parents=True)
+    # a step directory without verl's tracker is not a checkpoint verl resumes from: still refused
+    step_dir = run_dir / "checkpoints" / "global_step_1"
+    (step_dir / "actor").mkdir(parents=True)
+    (step_dir / "actor" / "model.pt").write_bytes(b"weights")
+    (step_dir / "data.pt").write_bytes(b"dataloader")
+    cfg = v1_config()
+    cfg.trainer.resume_mode = "auto"
+    with pytest.raises(FileExistsError, match="no checkpoint to resume from"):
+        make_run_dir(cfg, sat)
+    # with a complete, tracked checkpoint, the earlier lines are kept aside, not truncated by verl
+    (run_dir / "checkpoints" / "latest_checkpointed_iteration.txt").write_text("1")
+    (step_dir / "transfer_queue").mkdir()
     cfg = v1_config()
     cfg.trainer.resume_mode = "auto"
     make_run_dir(cfg, sat)
-    assert (run_dir / "metrics.part1.jsonl").read_text() == '{"step": 1, "data": {}}\n'
+    assert [json.loads(line) for line in (run_dir / "metrics.prefix.jsonl").read_text().splitlines()] == [
+        {"step": 1, "data": {}}
+    ]
     assert not (run_dir / "metrics.jsonl").exists()
 
 
@@ -282,6 +294,7 @@ def test_runtime_env_keeps_a_users_file_logger_path(monkeypatch):
     from verl_sat.main import pass_env_to_ray
 
     monkeypatch.setenv("VERL_FILE_LOGGER_PATH", "/run/metrics.jsonl")
+    monkeypatch.delenv("VERL_SAT_RUN_DIR", raising=False)  # set by any make_run_dir earlier in the process
     cfg = OmegaConf.create({"ray_kwargs": {"ray_init": {"runtime_env": {"env_vars": {"VERL_FILE_LOGGER_PATH": "/u"}}}}})
     pass_env_to_ray(cfg)
     assert cfg.ray_kwargs.ray_init.runtime_env.env_vars == {"VERL_FILE_LOGGER_PATH": "/u"}

@@ -183,28 +183,24 @@ def test_timeout_returns_none_in_main_and_worker_threads() -> None:
         release.set()
 
 
-def _verify_threads() -> list[threading.Thread]:
-    return [t for t in threading.enumerate() if t.name == "verl-sat-verify"]
-
-
 def test_timed_out_worker_thread_is_stopped() -> None:
     # verl scores rewards in a thread pool: a runaway check there must not keep burning CPU.
     laps = [0]
+    workers: list[threading.Thread] = []
 
     def spin() -> int:
+        workers.append(threading.current_thread())  # the thread the work runs in, seen from inside
         while True:
             laps[0] += 1
 
-    before = set(_verify_threads())
     result: list = []
     caller = threading.Thread(target=lambda: result.append(call_with_timeout(spin, 0.2)))
     caller.start()
     caller.join(timeout=120)
     assert result == [None]
-    spinners = [t for t in _verify_threads() if t not in before]
-    for thread in spinners:
-        thread.join(timeout=120)  # the interrupt ends it at its next instruction; a guard, not a measurement
-    assert spinners and laps[0] > 0 and not any(t.is_alive() for t in spinners)  # stopped: no CPU burnt
+    assert len(workers) == 1 and workers[0] is not caller and workers[0].name == "verl-sat-verify"
+    workers[0].join(timeout=120)  # the interrupt ends it at its next instruction; a guard, not a measurement
+    assert laps[0] > 0 and not workers[0].is_alive()  # stopped: no CPU burnt
 
 
 PATHOLOGICAL = [

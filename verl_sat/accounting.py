@@ -301,6 +301,8 @@ class SampleAccountingMixin:
     def _account_step(self, step: int) -> None:
         """One ``trained`` row for the global step (and, on the last step, what is still in flight)."""
         pending = self.__dict__.pop("_sat_account_pending", [])
+        if self._samples_path() is None:  # no run directory: nothing is accounted
+            return
         lag = int(getattr(self, "parameter_sync_step", 1))
         self._sat_account_last_uids = [g["uid"] for g in pending]
         self._account_write({"event": "trained", "step": step, "lag": lag, "prompts": pending})

@@ -209,10 +209,12 @@ def intercepted(
     """Number of tokens in a band clipped by SAT and not by PPO (SPEC §2, exact locus of change).
 
     {A > 0, 1 + eps_high~ < r < 1 + eps_high}  or  {A < 0, 1 - eps_low < r < 1 - eps_low~}
-    Only gated tokens have a contracted interval, so only they are examined.
+    Only gated tokens have a contracted interval, so only they are examined. The endpoints are
+    cast to the ratio's dtype, as ``sat_clip`` casts them: in bf16 a contracted endpoint within
+    an ulp of r rounds onto it, and the clip then does not bind there.
     """
-    lower_g, upper_g = gated_bounds(f, eps_low, eps_high)
     r = ratio.detach().reshape(-1)[f.idx]
+    lower_g, upper_g = (bound.to(r.dtype) for bound in gated_bounds(f, eps_low, eps_high))
     adv = advantages.reshape(-1)[f.idx]
     upper_band = (adv > 0) & (r > upper_g) & (r < 1.0 + eps_high)
     lower_band = (adv < 0) & (r < lower_g) & (r > 1.0 - eps_low)
