@@ -486,18 +486,29 @@ def routing_replay_engine() -> type:
 
 
 def enable_on_worker(worker: Any) -> str:
-    """Before verl's ``init_model``: select the replay engine when the FSDP actor asks for replay.
+    """Before verl's ``init_model``: select the engine that replays (FSDP) or measures (Megatron).
 
-    Registers :func:`routing_replay_engine`, points ``VERL_ENGINE_VENDOR`` at it (this worker
-    process only) and sets the worker's ``enable_routing_replay`` so verl's own decorators mark
-    compute_log_prob / update_actor batches (verl sets it only for Megatron and VeOmni).
-    Returns the mode.
+    FSDP actor with R2/R3: registers :func:`routing_replay_engine`, points ``VERL_ENGINE_VENDOR``
+    at it (this worker process only) and sets the worker's ``enable_routing_replay`` so verl's own
+    decorators mark compute_log_prob / update_actor batches (verl sets it only for Megatron and
+    VeOmni). Megatron actor with R2/R3: verl replays; ``verl_sat.megatron_routes`` adds the
+    routing metrics. Returns the mode.
     """
     import os
 
-    mode = fsdp_replay_mode(worker.config.actor) if "actor" in getattr(worker, "role", "actor") else "disabled"
+    if "actor" not in getattr(worker, "role", "actor"):
+        return "disabled"
+    mode = fsdp_replay_mode(worker.config.actor)
     if mode != "disabled":
         routing_replay_engine()
         os.environ["VERL_ENGINE_VENDOR"] = ENGINE_VENDOR
         worker.enable_routing_replay = True
+        return mode
+    from verl_sat.megatron_routes import ENGINE_VENDOR as MEGATRON_VENDOR
+    from verl_sat.megatron_routes import megatron_replay_mode, megatron_routes_engine
+
+    mode = megatron_replay_mode(worker.config.actor)
+    if mode != "disabled":
+        megatron_routes_engine()
+        os.environ["VERL_ENGINE_VENDOR"] = MEGATRON_VENDOR
     return mode

@@ -1,0 +1,144 @@
+"""Routing metrics on verl's own Megatron router replay (SPEC §6; docs/routing_replay.md).
+
+On Megatron, R2/R3 are verl's: ``RouterReplay`` (``verl.utils.megatron.router_replay_patch``)
+hands each ``TopKRouter`` the recorded top-k ``R`` before a forward (``REPLAY_FORWARD``) and
+the router gathers its probabilities at ``R`` instead of at its own top-k. Nothing there says
+how often the two differ. This module measures it without touching verl's replay: a forward
+hook on every router recomputes the router's own choice from the same input,
+
+    z_t  = gating(h_t)                     (the logits the router has just used)
+    own_t = top-k(score(z_t))              (score = z for softmax routers, sigmoid(z) + bias else)
+
+and counts, per MoE layer and routed row t, whether ``R_t`` was replayed (verl's replay mask,
+all rows when it has none) and whether ``set(own_t) == set(R_t)``. The metrics are the FSDP
+replay engine's (``verl_sat.routing_replay.RouteCounts``):
+
+    actor/routing_replay/replayed_frac = replayed rows / routed rows
+    actor/routing_replay/topk_agreement = replayed rows with own_t = R_t / replayed rows
+
+Routed rows are the rows the router sees: with packed sequences (thd) that includes the few
+alignment rows verl pads with, which are never replayed, so ``replayed_frac`` sits slightly
+below 1 under R3 (verl also leaves each response's final row to the router).
+
+The hook adds one small matmul per MoE layer in replayed forwards only. The engine is verl's
+``MegatronEngineWithLMHead``, registered under :data:`ENGINE_VENDOR` (verl's engine registry);
+``enable_on_worker`` selects it for a Megatron actor with R2/R3.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from verl_sat.routing_replay import RouteCounts
+
+ENGINE_VENDOR = "verl_sat_megatron_routes"
+"""The vendor key the engine is registered under; ``VERL_ENGINE_VENDOR`` selects it."""
+
+_ENGINE_CLS: type | None = None
+
+
+def megatron_replay_mode(actor_config: Any) -> str:
+    """``actor.megatron.router_replay.mode`` of a Megatron actor, else ``disabled``."""
+    if str(actor_config.get("strategy", "")) != "megatron":
+        return "disabled"
+    node = (actor_config.get("megatron") or {}).get("router_replay") or {}
+    return str(node.get("mode", "disabled"))
+
+
+def own_topk(router: Any, hidden: torch.Tensor) -> torch.Tensor:
+    """The router's own top-k experts ``[N, k]`` for ``hidden`` (what it would pick without replay)."""
+    logits = router.gating(hidden).view(-1, router.config.num_moe_experts)
+    scores = logits
+    if router.score_function == "sigmoid":
+        scores = torch.sigmoid(logits.float())
+        if getattr(router, "expert_bias", None) is not None:
+            scores = scores + router.expert_bias
+    if router.config.moe_router_group_topk:
+        from megatron.core.transformer.moe.moe_utils import group_limited_topk
+
+        _, indices = group_limited_topk(
+            scores=scores,
+            topk=router.topk,
+            num_tokens=scores.shape[0],
+            num_experts=scores.shape[1],
+            num_groups=router.config.moe_router_num_groups,
+            group_topk=router.config.moe_router_group_topk,
+        )
+        return indices
+    return torch.topk(scores, k=router.topk, dim=1).indices
+
+
+class RouteAgreementHooks:
+    """Forward hooks on a Megatron model's routers that fill a :class:`RouteCounts` on replayed calls."""
+
+    def __init__(self, modules: list[Any]) -> None:
+        from megatron.core.transformer.moe.router import TopKRouter
+
+        self.routers = [m for chunk in modules for m in chunk.modules() if isinstance(m, TopKRouter)]
+        self.counts = RouteCounts()
+        self._handles = [r.register_forward_hook(self._hook) for r in self.routers]
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+    def _hook(self, router: Any, args: tuple, output: Any) -> None:
+        from verl.utils.megatron.router_replay_patch import RouterReplayAction
+
+        replay = getattr(router, "router_replay", None)
+        if replay is None or replay.router_replay_action != RouterReplayAction.REPLAY_FORWARD:
+            return
+        target = replay.target_topk_idx
+        if target is None or not args:
+            return
+        with torch.no_grad():
+            own = own_topk(router, args[0])
+            if own.shape != target.shape:
+                return  # verl's own check raises on a misaligned replay; nothing to count here
+            mask = getattr(replay, "target_replay_mask", None)
+            rows = own.shape[0]
+            replayed = (
+                torch.ones(rows, dtype=torch.bool, device=own.device)
+                if mask is None
+                else mask.reshape(-1).bool().to(own.device)
+            )
+            self.counts.add(own, target, replayed, torch.ones(rows, dtype=torch.bool, device=own.device))
+
+
+def megatron_routes_engine() -> type:
+    """verl's ``MegatronEngineWithLMHead`` that reports the routing metrics of its replayed forwards.
+
+    Per ``forward_backward_batch`` a fresh :class:`RouteCounts`; when verl replayed routes in it
+    (R3: every actor pass; R2: the update), the two metrics join the output's ``metrics``, one
+    value per call, beside verl's own loss metrics.
+    """
+    global _ENGINE_CLS
+    if _ENGINE_CLS is not None:
+        return _ENGINE_CLS
+    from verl.workers.engine.base import EngineRegistry
+    from verl.workers.engine.megatron.transformer_impl import MegatronEngineWithLMHead
+
+    class MegatronRoutesEngine(MegatronEngineWithLMHead):
+        """See :func:`megatron_routes_engine`."""
+
+        _routes_hooks: RouteAgreementHooks | None = None
+
+        def forward_backward_batch(self, data: Any, loss_function: Any, forward_only: bool = False) -> Any:
+            if self._routes_hooks is None:
+                self._routes_hooks = RouteAgreementHooks(list(self.module))
+            self._routes_hooks.counts = RouteCounts()
+            output = super().forward_backward_batch(data, loss_function, forward_only)
+            values = self._routes_hooks.counts.metrics()
+            if values and isinstance(output, dict):
+                metrics = output.setdefault("metrics", {})
+                metrics.update({k: [v] for k, v in values.items()})
+            return output
+
+    EngineRegistry.register(
+        model_type="language_model", backend="megatron", device=["cuda", "npu"], vendor=ENGINE_VENDOR
+    )(MegatronRoutesEngine)
+    _ENGINE_CLS = MegatronRoutesEngine
+    return MegatronRoutesEngine
