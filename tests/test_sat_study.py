@@ -145,3 +145,10 @@ def test_a_tiny_search_end_to_end(study, tmp_path, monkeypatch):
     assert "quick" in (out / "search.md").read_text() and (out / "working_range.png").stat().st_size > 1000
     assert len((out / "search_runs.csv").read_text().splitlines()) == 1 + 4
     assert json.loads((out / "provenance.json").read_text())["assets_fingerprint"]
+
+
+def test_a_directory_without_the_primary_seeds_does_not_call_itself_primary(study):
+    # the dose phase holds 5 seeds at the stress lag: its paired lag-8 row is not the 16-seed primary
+    assert study.primary_heading({"seeds": 16}, 16) == "## Primary"
+    assert "5 seeds (not the primary result: that has 16)" in study.primary_heading({"seeds": 5}, 16)
+    assert "not the primary result" in study.primary_heading(None, 16)
