@@ -31,6 +31,8 @@ from verl_sat.losses import loss_context
 from verl_sat.sat_rule import sat_factors
 
 DECOUPLED = {"sat_score_against": "rollout_log_probs"}
+
+
 def run(name: str, b: dict, cfg, mu: torch.Tensor | None = None, context: bool = True):
     """(loss, metrics, d loss/d log_prob, per-token loss, context) with ``mu`` in a LossContext."""
     log_prob = b["log_prob"].clone().requires_grad_(True)

@@ -325,6 +325,7 @@ def sat_worker_class(remote_cls: Any) -> Any:
         register("trainer worker", f"rank{os.environ.get('RANK', 0)}")  # watched by the driver's supervisor
 
     init_model.__doc__ = "``enable_on_worker`` (routing replay), verl's init_model, then ``install_sat_loss``."
+
     def sat_scale_lr(self: Any, factor: float) -> list[float]:
         return scale_lr(self, factor)  # the lr-spike fault (verl_sat.faults)
 
