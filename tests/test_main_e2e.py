@@ -31,15 +31,18 @@ def assets(tmp_path_factory) -> Path:
     return out
 
 
-def run_main(assets: Path, run_dir: Path, *overrides: str, returncode: int = 0) -> tuple[list[dict], str]:
-    """Run the main job; returns the metrics rows ({"step", **data}) and its console (stdout, then stderr)."""
+def run_main(
+    assets: Path, run_dir: Path, *overrides: str, returncode: int = 0, steps: int = 2
+) -> tuple[list[dict], str]:
+    """Run the main job for ``steps`` verl steps; returns the metrics rows ({"step", **data}) and
+    its console (stdout, then stderr)."""
     cmd = [
         sys.executable,
         "-m",
         "verl_sat.main",
         f"sat.assets_dir={assets}",
         f"sat.run_dir={run_dir}",
-        "trainer.total_training_steps=2",
+        f"trainer.total_training_steps={steps}",
         *overrides,
     ]
     env = {k: v for k, v in os.environ.items() if not k.startswith("VERL_FILE_LOGGER")}
@@ -119,13 +122,10 @@ def test_sync_with_two_data_parallel_ranks(assets, tmp_path):
 
 
 @pytest.fixture(scope="session")
-def default_assets(tmp_path_factory) -> Path:
-    """The default's assets as `verl-sat` builds them (the full warm-up: a reward signal to lose)."""
-    from verl_sat.default.warmup import WarmupArgs, build
-
-    out = tmp_path_factory.mktemp("default_assets")
-    build(out, WarmupArgs())
-    return out
+def default_assets(cached_default_assets: Path) -> Path:
+    """The default's assets as `verl-sat` builds them (the full warm-up: a reward signal to lose),
+    the one build the whole suite shares (tests/conftest.py); jobs only read them."""
+    return cached_default_assets
 
 
 def test_sentinel_quiet_on_the_default_then_fires_on_an_induced_collapse(default_assets, tmp_path):
@@ -134,10 +134,10 @@ def test_sentinel_quiet_on_the_default_then_fires_on_an_induced_collapse(default
     rows, stdout = run_main(
         default_assets,
         tmp_path / "run",
-        f"trainer.total_training_steps={total}",
         "sat.sentinel.action=stop",
         f"actor_rollout_ref.rollout.engine_kwargs.hf.fault_step={fault}",
         returncode=3,  # a run the sentinel stopped is a collapse, never a success (docs/faults.md)
+        steps=total,
     )
     steps = [r["step"] for r in rows]
     alarms = [r["step"] for r in rows if r.get("sentinel/alarm") == 1.0]

@@ -243,6 +243,10 @@ TORCH_SCOPED: dict[str, str] = {
     "megatron.core.transformer.moe.router": "the router moves its weight to torch.cuda.current_device() every call",
     "megatron.core.transformer.moe.experts": "SequentialMLP makes empty-expert outputs on torch.cuda.current_device()",
     "megatron.core.tensor_parallel.mappings": "gather / all-to-all outputs are made on torch.cuda.current_device()",
+    "megatron.core.dist_checkpointing.strategies.filesystem_async": "preload_tensors calls torch.cuda.synchronize",
+    "megatron.core.dist_checkpointing.strategies.fully_parallel": "the save/load exchange calls torch.cuda.synchronize",
+    "megatron.core.dist_checkpointing.strategies.state_dict_saver": "its failure flag is made on a CUDA device",
+    "megatron.core.dist_checkpointing.strategies.async_utils": "liveness flags on a CUDA device; synchronize",
     "mbridge.core.util": "get_model calls model.cuda(torch.cuda.current_device())",
     "mbridge.core.bridge": "export_weights moves expert_bias to torch.cuda.current_device()",
 }
@@ -358,9 +362,34 @@ def patch_optimizer(module: ModuleType) -> None:
 
 
 def patch_distrib_optimizer(module: ModuleType) -> None:
-    """megatron.core.optimizer.distrib_optimizer: the same ``param.type()`` checks, in its constructor."""
+    """megatron.core.optimizer.distrib_optimizer: the same ``param.type()`` checks, in its constructor;
+    ``state_dict`` of a fresh optimizer, which a checkpoint load builds as its template; and the
+    in-place load of fp32 main params."""
     scope_torch(module)
     _with_cuda_type_names(module.DistributedOptimizer, "__init__")
+    original = module.DistributedOptimizer.state_dict
+
+    @functools.wraps(original)
+    def state_dict(self: Any) -> dict:
+        # Without TE/apex, state_dict reads the step from torch's Adam state and asserts there is
+        # exactly one, but a fresh optimizer (resume) has no state yet: it has taken step 0 (the
+        # loaded checkpoint then brings its own).
+        if module.HAVE_APEX_OR_TE or self.optimizer.state:
+            return original(self)
+        module.HAVE_APEX_OR_TE = True  # the branch that reads no step
+        try:
+            out = original(self)
+        finally:
+            module.HAVE_APEX_OR_TE = False
+        for group in out["optimizer"]["param_groups"]:
+            group.setdefault("step", 0)
+        return out
+
+    module.DistributedOptimizer.state_dict = state_dict
+    # fp32 parameters (the CPU config): a main param is a view of its model param, a leaf that
+    # requires grad, and resume copies the checkpoint into it in place outside no_grad
+    setter = module.DistributedOptimizer._set_main_param_and_optimizer_states
+    module.DistributedOptimizer._set_main_param_and_optimizer_states = torch.no_grad()(setter)
 
 
 def local_attention_mask(query: torch.Tensor, attention_mask: Any, packed_seq_params: Any) -> torch.Tensor:

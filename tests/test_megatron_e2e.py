@@ -1,0 +1,82 @@
+"""The main job with its actor on verl's Megatron engine (``sat.strategy=megatron``), end to end on CPU.
+
+verl 0.9.1's own ``MegatronEngineWithLMHead`` (mbridge, megatron-core's local layers, fp32; the CPU
+patches of ``verl_sat.cpu.megatron``) trains the default job: SAT-GSPO, separate_async, lag 2,
+here with one response per micro-batch and routing noise on the rollout
+(``engine_kwargs.hf.router_noise_std``: the rollout picks experts from noisy router logits).
+
+Three launches (about 5 min on 2 idle cores, most of it start-up):
+
+1. two steps without routing replay: the trainer routes on its own, so dbar_pi keeps the routing
+   noise, and no routing metric is logged;
+2. two steps with ``sat.routing_replay=R3``, through **verl's own** Megatron router replay, saving
+   Megatron's checkpoint at step 2: the trainer's own top-k differs from the rollout's on many
+   rows (``actor/routing_replay/topk_agreement``, measured by ``verl_sat.megatron_routes`` before
+   the replay replaces it), yet dbar_pi falls below the FSDP R3 ceiling;
+3. the same run resumed from that checkpoint to step 4: one metrics row per step, 1-2 kept.
+
+Every step: SAT's metrics, staleness <= 2, and the step's q gating about 1 - alpha of the step's
+tokens although each micro-batch holds one response (the check that caught the starved gate on
+FSDP). metrics.jsonl holds one row per step across both attempts.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from test_main_e2e import assets, check_sat_run, run_main, step_gate_rate  # noqa: F401  (fixture, helpers)
+
+pytestmark = pytest.mark.e2e
+
+JOB = (
+    "sat.strategy=megatron",
+    "actor_rollout_ref.rollout.engine_kwargs.hf.router_noise_std=1.0",
+    "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=1",
+    "trainer.save_freq=2",
+)
+R3_CEILING = 0.05  # as on FSDP (tests/test_routing_replay_e2e.py)
+ROUTING = "actor/routing_replay/"
+
+
+def mean_mismatch(rows: list[dict]) -> float:
+    return sum(r["actor/mismatch_abs_mean"] for r in rows) / len(rows)
+
+
+def check_megatron_steps(rows: list[dict]) -> None:
+    for row in rows:
+        assert row["actor/sat_seqs_per_micro_batch"] == 1.0
+        assert 0.04 <= step_gate_rate(row) <= 0.1 + 1e-9, row  # the step's q, not each response's own
+        assert row["actor/sat_score_drift"] == 0.0
+
+
+def check_r3_steps(rows: list[dict]) -> None:
+    check_megatron_steps(rows)
+    for row in rows:
+        assert row[f"{ROUTING}topk_agreement"] < 0.9  # the noise flipped routes
+        assert 0.8 < row[f"{ROUTING}replayed_frac"] <= 1.0  # all but each response's final row
+    assert mean_mismatch(rows) < R3_CEILING
+
+
+def test_megatron_replays_routes_through_verls_router_replay_and_resumes(assets, tmp_path: Path):  # noqa: F811
+    plain, _ = run_main(assets, tmp_path / "plain", *JOB)
+    check_sat_run(plain, lag=2)
+    check_megatron_steps(plain)
+    print(f"dbar_pi without replay on Megatron {mean_mismatch(plain):.4f}")
+    assert mean_mismatch(plain) > 0.1 > R3_CEILING  # the trainer routes on its own: the noise stays
+    assert not any(k.startswith(ROUTING) for r in plain for k in r)  # no replay, no replay metrics
+
+    run_dir = tmp_path / "r3"
+    first, _ = run_main(assets, run_dir, *JOB, "sat.routing_replay=R3")
+    check_sat_run(first, lag=2)
+    check_r3_steps(first)
+    print(f"dbar_pi with R3 on Megatron {mean_mismatch(first):.4f}")
+    checkpoints = run_dir / "checkpoints"
+    assert (checkpoints / "latest_checkpointed_iteration.txt").read_text().strip() == "2"
+    assert any((checkpoints / "global_step_2" / "actor").iterdir())  # Megatron's checkpoint format
+
+    rows, stdout = run_main(assets, run_dir, *JOB, "sat.routing_replay=R3", steps=4)
+    assert "resuming from the checkpoint of step 2" in stdout
+    assert [r["step"] for r in rows] == [1, 2, 3, 4] and rows[:2] == first  # one row per step, 1-2 kept
+    check_r3_steps(rows[2:])
+    assert all(0 <= r["training/sat/staleness_steps/max"] <= 2 for r in rows[2:])
