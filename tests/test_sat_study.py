@@ -152,3 +152,42 @@ def test_a_directory_without_the_primary_seeds_does_not_call_itself_primary(stud
     assert study.primary_heading({"seeds": 16}, 16) == "## Primary"
     assert "5 seeds (not the primary result: that has 16)" in study.primary_heading({"seeds": 5}, 16)
     assert "not the primary result" in study.primary_heading(None, 16)
+
+
+def committed_runs(directory: str) -> list[dict]:
+    """A committed runs.csv, typed as ``run_stats`` writes it (the fields the paired analysis reads)."""
+    import csv
+
+    rows = list(csv.DictReader((REPO / "docs" / "study" / "confirmatory" / directory / "runs.csv").open()))
+    return [
+        {
+            **r,
+            "lag": int(r["lag"]),
+            "seed": int(r["seed"]),
+            "heldout_acc": float(r["heldout_acc"]) if r["heldout_acc"] else None,
+        }
+        for r in rows
+    ]
+
+
+def test_the_readme_quotes_the_committed_results(study):
+    """Every study number the README quotes is recomputed here from a committed runs.csv."""
+    readme = (REPO / "README.md").read_text()
+    protocol = study.read_protocol()
+    ref, arm = protocol["primary"]
+
+    def quoted(stats: list[dict], a: str, lag: int) -> str:
+        row = study.paired(stats, a, ref, lag, "heldout_acc")
+        lo, hi = row["ci"]
+        return f"{row['diff']:+.3f} [{lo:+.3f}, {hi:+.3f}]"
+
+    primary = committed_runs(".")
+    assert study.paired(primary, arm, ref, 8, "heldout_acc")["seeds"] == len(protocol["primary_seeds"])
+    assert quoted(primary, arm, 8) in readme
+    second = committed_runs("warmup_a44e53f")
+    assert {r["assets_fingerprint"] for r in second} == {"a44e53f246d0502a"}
+    for stabilizer, short in (("gspo_r3_tis", "TIS"), ("cispo_r3", "CISPO"), ("dppo_tv_r3", "DPPO-TV")):
+        assert f"{short} {quoted(second, stabilizer, 8)}" in readme, stabilizer
+    by_lag = {lag: study.paired(second, arm, ref, lag, "heldout_acc") for lag in protocol["dose_lags"]}
+    assert all(r["seeds"] == len(protocol["dose_seeds"]) for r in by_lag.values())
+    assert f"GSPO + R3 {by_lag[1]['ref_mean']:.3f} ->\n{by_lag[16]['ref_mean']:.3f}" in readme
