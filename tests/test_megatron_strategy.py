@@ -50,3 +50,18 @@ def test_fsdp_strategy_leaves_the_config_as_composed():
 def test_an_unknown_strategy_is_refused_naming_the_key():
     with pytest.raises(ValueError, match=r"sat.strategy must be one of \['fsdp', 'megatron'\], got 'deepspeed'"):
         SATRecipeConfig(strategy="deepspeed")
+
+
+def test_a_users_megatron_keys_are_kept_over_the_cpu_node():
+    # the composed config is FSDP's until sat.strategy switches it, hence the `+`
+    cfg = composed(
+        "sat.strategy=megatron",
+        "+actor_rollout_ref.actor.megatron.expert_model_parallel_size=2",
+        "+actor_rollout_ref.actor.megatron.override_transformer_config.moe_token_dispatcher_type=allgather",
+    )
+    apply_strategy(cfg, "megatron")
+    megatron = cfg.actor_rollout_ref.actor.megatron
+    assert megatron.expert_model_parallel_size == 2
+    assert megatron.override_transformer_config.moe_token_dispatcher_type == "allgather"  # not the CPU node's
+    assert megatron.override_transformer_config.attention_backend == "local"  # the rest of the CPU node stays
+    assert megatron.dtype == "float32"

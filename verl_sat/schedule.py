@@ -168,21 +168,24 @@ def apply_strategy(cfg: DictConfig, strategy: str) -> list[str]:
     from verl_sat.paths import hydra_config_dir
 
     fsdp, megatron = _verl_reference_config("ppo_trainer"), _verl_reference_config("ppo_megatron_trainer")
+    cpu = None
+    if str(cfg.trainer.device) == "cpu":
+        cpu = OmegaConf.load(str(hydra_config_dir() / "strategy" / "megatron_cpu.yaml")).actor_rollout_ref
     dropped = []
     with open_dict(cfg):
         for role in ("actor", "ref"):
             node = megatron.actor_rollout_ref[role].copy()
+            if cpu is not None and role in cpu:
+                node = OmegaConf.merge(node, cpu[role])
+            # the run's own settings last: a `+actor_rollout_ref.actor.megatron.<key>=` wins over the CPU node
             dropped += [
                 f"actor_rollout_ref.{role}.{p}"
                 for p in carry_settings(cfg.actor_rollout_ref[role], fsdp.actor_rollout_ref[role], node)
             ]
             cfg.actor_rollout_ref[role] = node
         cfg.model_engine = "megatron"
-        if str(cfg.trainer.device) == "cpu":
-            cpu = OmegaConf.load(str(hydra_config_dir() / "strategy" / "megatron_cpu.yaml"))
-            merged = OmegaConf.merge(cfg, cpu)
-            for key in ("actor_rollout_ref",):
-                cfg[key] = merged[key]
+        if cpu is not None:
+            cfg.actor_rollout_ref.model = OmegaConf.merge(cfg.actor_rollout_ref.model, cpu.model)
     return dropped
 
 
