@@ -80,3 +80,39 @@ def test_megatron_replays_routes_through_verls_router_replay_and_resumes(assets,
     assert [r["step"] for r in rows] == [1, 2, 3, 4] and rows[:2] == first  # one row per step, 1-2 kept
     check_r3_steps(rows[2:])
     assert all(0 <= r["training/sat/staleness_steps/max"] <= 2 for r in rows[2:])
+
+
+def test_megatron_with_two_data_and_expert_parallel_ranks_exports_every_expert(cached_default_assets, tmp_path):
+    """sync, lag 1, two trainer ranks with EP 2 (each rank holds half of the experts), one response
+    per micro-batch, the full warm-up (a reward signal, so the weights move every step).
+
+    After every update the weights reach the rollout through verl's
+    export, which all-gathers the experts over the EP group. In decoupled mode the trainer
+    recomputes old_log_prob at the weights the rollout just sampled with, so
+    ``actor/sat_old_vs_rollout_logprob_gap`` (the largest |old - mu| over a micro-batch's tokens)
+    is fp32 noise when the export is complete; if a rank exported only its own experts, the rollout
+    would sample with half-stale experts from step 2 on and the gap would be the size of an update.
+    (dbar_pi itself is not the check: it is taken at the update's weights, which move within a step.)
+    """
+    parallel = (
+        "trainer.n_gpus_per_node=2",
+        "ray_kwargs.ray_init.num_gpus=2",
+        "+actor_rollout_ref.actor.megatron.expert_model_parallel_size=2",  # `+`: FSDP's config until the switch
+    )
+    rows, _ = run_main(
+        cached_default_assets,
+        tmp_path / "run",
+        "sat.strategy=megatron",
+        "trainer.v1.trainer_mode=sync",
+        "sat.lag=1",
+        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=1",
+        "algorithm.rollout_correction.bypass_mode=false",
+        *parallel,
+        steps=3,
+    )
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    for row in rows:
+        assert row["training/sat/staleness_steps/max"] == 0  # on-policy: fresh weights every step
+        assert 0 < row["actor/sat_gate_rate"] < 0.2, row  # SAT gates (the exact rate at DP 2: docs/cpu.md)
+        assert 0 < row["actor/sat_old_vs_rollout_logprob_gap"] < 1e-3, row  # the rollout has every updated expert
+    assert all(r["actor/grad_norm"] > 0 for r in rows)  # the weights moved: there was something to export
