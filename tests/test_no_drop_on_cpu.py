@@ -66,7 +66,28 @@ def test_explicit_drop_is_kept_and_warned_about() -> None:
 # ---------------------------------------------------------------------------------------------
 # verl's replay buffer under the cell's schedule
 # ---------------------------------------------------------------------------------------------
-class FakeTransferQueue:
+class SimulatedRollout:
+    """A rollout clock: each ``tick`` every generating prompt advances one tick; ``finish`` at zero."""
+
+    max_ticks: int
+    ticks: int
+    remaining: dict[str, int]
+
+    def tick(self) -> None:
+        self.ticks += 1
+        if self.ticks > self.max_ticks:
+            raise RuntimeError(f"no progress after {self.max_ticks} ticks: the sampler waits forever")
+        for uid in list(self.remaining):
+            self.remaining[uid] -= 1
+            if self.remaining[uid] == 0:
+                del self.remaining[uid]
+                self.finish(uid)
+
+    def finish(self, uid: str) -> None:
+        raise NotImplementedError
+
+
+class FakeTransferQueue(SimulatedRollout):
     """TransferQueue's tags as verl's rollout leaves them; every ``kv_list`` (one poll) is a tick.
 
     A prompt generates for 1 tick, every ``long_every``-th one for ``long_ticks`` (the long
@@ -88,17 +109,10 @@ class FakeTransferQueue:
             self.remaining[uid] = self.long_ticks if long else 1
             self.tags[uid] = {"is_prompt": True, "status": "running", "global_steps": global_steps}
 
-    def tick(self) -> None:
-        self.ticks += 1
-        if self.ticks > self.max_ticks:
-            raise RuntimeError(f"no progress after {self.max_ticks} ticks: the sampler waits forever")
-        for uid in list(self.remaining):
-            self.remaining[uid] -= 1
-            if self.remaining[uid] == 0:
-                del self.remaining[uid]
-                self.tags[uid]["status"] = "finished"
-                for session in range(self.n):
-                    self.tags[f"{uid}_{session}_0"] = {"min_global_steps": self.issued[uid] - 1}
+    def finish(self, uid: str) -> None:
+        self.tags[uid]["status"] = "finished"
+        for session in range(self.n):
+            self.tags[f"{uid}_{session}_0"] = {"min_global_steps": self.issued[uid] - 1}
 
     def kv_list(self) -> dict[str, dict[str, dict[str, Any]]]:
         self.tick()
@@ -110,6 +124,20 @@ class FakeTransferQueue:
             del self.tags[key]
         for uid in uids:
             self.remaining.pop(uid, None)
+
+
+def buffer_settings(cfg: DictConfig, refill_fn: Callable[[int], Any]) -> dict[str, Any]:
+    """verl's ``ReplayBufferAsync`` arguments for the cell's separate_async sampler (no sleep between polls)."""
+    v1 = cfg.trainer.v1
+    return {
+        "trainer_mode": "separate_async",
+        "trainer_config": v1.separate_async,
+        "max_off_policy_threshold": v1.sampler.max_off_policy_threshold,
+        "max_off_policy_strategy": v1.sampler.max_off_policy_strategy,
+        "sampler_kwargs": v1.sampler.sampler_kwargs,
+        "poll_interval": 0.0,
+        "refill_fn": refill_fn,
+    }
 
 
 def run_schedule(cfg: DictConfig, monkeypatch: pytest.MonkeyPatch, steps: int = 8, mini: int = 4) -> dict[str, Any]:
@@ -127,15 +155,7 @@ def run_schedule(cfg: DictConfig, monkeypatch: pytest.MonkeyPatch, steps: int = 
     monkeypatch.setattr(replay_buffer.tq, "kv_list", tq.kv_list)
     monkeypatch.setattr(replay_buffer.tq, "kv_clear", tq.kv_clear)
     step = {"g": 1}
-    buffer = replay_buffer.ReplayBufferAsync(
-        trainer_mode="separate_async",
-        trainer_config=v1.separate_async,
-        max_off_policy_threshold=v1.sampler.max_off_policy_threshold,
-        max_off_policy_strategy=v1.sampler.max_off_policy_strategy,
-        sampler_kwargs=v1.sampler.sampler_kwargs,
-        poll_interval=0.0,
-        refill_fn=lambda k: tq.submit(k, step["g"]),
-    )
+    buffer = replay_buffer.ReplayBufferAsync(**buffer_settings(cfg, lambda k: tq.submit(k, step["g"])))
     tq.submit(round(float(v1.separate_async.num_warmup_batches) * lag * mini), 1)  # on_train_begin
     evicted, spans, trained = 0.0, [], 0
     for g in range(1, steps + 1):
@@ -225,7 +245,7 @@ def prompt_uids(tags: dict[str, dict[str, Any]]) -> set[str]:
     return {key for key, tag in tags.items() if tag.get("is_prompt", False)}
 
 
-class TQRollout:
+class TQRollout(SimulatedRollout):
     """verl's rollout writing into the real TransferQueue, on a simulated clock (one ``tick`` at a time).
 
     ``submit`` is ``trainer_base._submit_batch_to_rollout`` (prompt tags ``pending`` and the prompt's
@@ -260,16 +280,6 @@ class TQRollout:
             self.issued[uid], self.started[uid] = global_steps, self.version
             self.remaining[uid] = self.long_ticks if uid in self.long else 1
             self.tq.kv_put(key=uid, partition_id=PARTITION, tag={"status": "running"})
-
-    def tick(self) -> None:
-        self.ticks += 1
-        if self.ticks > self.max_ticks:
-            raise RuntimeError(f"no progress after {self.max_ticks} ticks: the sampler waits forever")
-        for uid in list(self.remaining):
-            self.remaining[uid] -= 1
-            if self.remaining[uid] == 0:
-                del self.remaining[uid]
-                self.finish(uid)
 
     def finish(self, uid: str) -> None:
         from verl.utils.tensordict_utils import list_of_dict_to_tensordict
@@ -315,16 +325,7 @@ def stepped_replay_buffer(cfg: DictConfig, clock: Callable[[], None], refill_fn:
             clock()  # instead of time.sleep(poll_interval) while the rollout generates
             return last_debug_time
 
-    v1 = cfg.trainer.v1
-    return SteppedReplayBufferAsync(
-        trainer_mode="separate_async",
-        trainer_config=v1.separate_async,
-        max_off_policy_threshold=v1.sampler.max_off_policy_threshold,
-        max_off_policy_strategy=v1.sampler.max_off_policy_strategy,
-        sampler_kwargs=v1.sampler.sampler_kwargs,
-        poll_interval=0.0,
-        refill_fn=refill_fn,
-    )
+    return SteppedReplayBufferAsync(**buffer_settings(cfg, refill_fn))
 
 
 @dataclass
