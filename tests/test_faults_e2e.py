@@ -2,8 +2,8 @@
 
 Each job is ``python -m verl_sat.main`` started by the test in its own session (its own process
 group), killed only by the process ids the test started or found registered under the run's
-``processes/``. About 8 min on 2 cores: the rollback run ~3 min, the kill/resume chain ~5 min
-(three starts of ~100 s each).
+``processes/``. About 7 min on 2 idle cores: the rollback run ~2 min, the kill/resume chain ~4 min
+(three starts), the dead trainer worker ~1.5 min.
 """
 
 from __future__ import annotations
@@ -132,3 +132,30 @@ def test_killed_job_resumes_and_a_dead_rollout_server_stops_the_job(cached_defau
     # what is still in flight at the end
     assert set(ids) <= set(order[: summary["prompts_submitted"]])
     assert json.loads((run_dir / "run.json").read_text())["samples"]["prompts_trained"] == len(ids)
+
+
+def test_a_dead_trainer_worker_stops_the_job_within_a_minute(cached_default_assets, tmp_path):
+    """The trainer worker (verl's actor, registered by the SAT worker's init_model) is killed by its
+    registered pid after step 1: the job never hangs and never exits 0; it exits 4 within 60 s with
+    one line naming the worker and the step, and what it lost is in run.json."""
+    run_dir = tmp_path / "run"
+    record = run_dir / "processes" / "trainer_worker_rank0.json"
+    job = start(command(cached_default_assets, run_dir, "trainer.total_training_steps=8"), tmp_path, tmp_path / "a.log")
+    wait_for(lambda: 1 in logged_steps(run_dir) and record.is_file(), job)
+    worker = json.loads(record.read_text())
+    assert worker["pid"] not in (job.pid, os.getpid())
+    os.kill(worker["pid"], signal.SIGKILL)
+    killed_at = time.monotonic()
+    try:
+        rc = job.wait(timeout=120)
+    finally:
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)  # only the job this test started
+    assert time.monotonic() - killed_at < 60
+    console = (tmp_path / "a.log").read_text()
+    assert rc == EXIT_PROCESS_DIED, console[-4000:]
+    errors = [line for line in console.splitlines() if "[verl-sat] error: trainer worker rank0" in line]
+    assert len(errors) == 1 and f"(pid {worker['pid']}) died during global step" in errors[0], console[-4000:]
+    fault = json.loads((run_dir / "run.json").read_text())["fault"]
+    assert fault["kind"] == "trainer worker" and fault["pid"] == worker["pid"]
+    assert logged_steps(run_dir)[-1] < 8  # stopped, not finished
