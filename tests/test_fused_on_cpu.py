@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 from sat_strategies import AGG_MODES, LEVELS, PROPERTY, SATCase, assert_biting_share, sat_cases, spec_rule
 from verl.trainer.ppo.core_algos import agg_loss, get_policy_loss_fn
 
+from verl_sat.fused import sequence_score
 from verl_sat.sat_rule import adaptive_bounds, intercepted, sat_clip, sat_factors
 
 TOL = {torch.float64: 1e-12, torch.float32: 1e-5, torch.bfloat16: 2e-2}
@@ -35,7 +36,7 @@ def reference(name: str, b: dict, agg: str, eps=(0.2, 0.2), alpha=0.9, kernel=("
     else:
         seq = torch.sum((lp - old) * rm, -1) / rm.sum(-1).clamp(min=1)
         ratio = torch.exp(torch.clamp(lp - lp.detach() + seq.detach().unsqueeze(-1), max=10.0))
-        score = seq.detach().unsqueeze(-1).expand_as(lp)
+        score = sequence_score((lp - old).detach() * rm, rm.sum(-1)).unsqueeze(-1).expand_as(lp)  # the gate's
         d = lp - old
     f = sat_factors(score, mask, alpha, *kernel)
     pg1 = -adv * ratio

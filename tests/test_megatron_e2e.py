@@ -86,7 +86,8 @@ def test_megatron_with_two_data_and_expert_parallel_ranks_exports_every_expert(c
     """sync, lag 1, two trainer ranks with EP 2 (each rank holds half of the experts), one response
     per micro-batch, the full warm-up (a reward signal, so the weights move every step).
 
-    After every update the weights reach the rollout through verl's
+    The step's q is all-reduced over Megatron's data-parallel group: the exact gate rate stays in
+    [0.04, 0.1] on every step. After every update the weights reach the rollout through verl's
     export, which all-gathers the experts over the EP group. In decoupled mode the trainer
     recomputes old_log_prob at the weights the rollout just sampled with, so
     ``actor/sat_old_vs_rollout_logprob_gap`` (the largest |old - mu| over a micro-batch's tokens)
@@ -113,6 +114,6 @@ def test_megatron_with_two_data_and_expert_parallel_ranks_exports_every_expert(c
     assert [r["step"] for r in rows] == [1, 2, 3]
     for row in rows:
         assert row["training/sat/staleness_steps/max"] == 0  # on-policy: fresh weights every step
-        assert 0 < row["actor/sat_gate_rate"] < 0.2, row  # SAT gates (the exact rate at DP 2: docs/cpu.md)
+        assert 0.04 <= row["actor/sat_gate_rate"] <= 0.1 + 1e-9, row  # the step's exact rate over both ranks
         assert 0 < row["actor/sat_old_vs_rollout_logprob_gap"] < 1e-3, row  # the rollout has every updated expert
     assert all(r["actor/grad_norm"] > 0 for r in rows)  # the weights moved: there was something to export

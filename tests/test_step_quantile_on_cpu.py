@@ -315,3 +315,20 @@ def test_step_scores_ignore_what_padding_holds(loss_mode, pad):
     clean = step_scores(loss_mode, m["log_prob"], m["old"], m["mask"])
     dirty = step_scores(loss_mode, m["log_prob"].masked_fill(~m["mask"], pad), m["old"], m["mask"])
     assert torch.equal(clean[0], dirty[0]) and torch.isfinite(dirty[0]).all()
+
+
+def test_a_responses_score_does_not_depend_on_how_wide_its_row_is_padded():
+    """The step's q pads the mini-batch, the loss its micro-batch: the sequence score must be the
+    same bits at any width, or a response scored exactly at q is gated in the loss (an fp32 row sum
+    differed in the last bit on about 30% of these rows)."""
+    from verl_sat.fused import sequence_score
+
+    g = torch.Generator().manual_seed(0)
+    for _ in range(500):
+        length = int(torch.randint(3, 40, (1,), generator=g))
+        x = torch.randn(length, generator=g) * 0.05
+        width = int(torch.randint(length, 200, (1,), generator=g))
+        narrow, wide = torch.zeros(1, length), torch.zeros(1, width)
+        narrow[0, :length] = wide[0, :length] = x
+        lengths = torch.tensor([float(length)])
+        assert torch.equal(sequence_score(narrow, lengths), sequence_score(wide, lengths))

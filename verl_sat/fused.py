@@ -91,6 +91,17 @@ def padded_log_ratio(lp: torch.Tensor, ref: torch.Tensor, response_mask: torch.T
     return torch.where(response_mask.bool(), x, 0.0)
 
 
+def sequence_score(x: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """log rho_b = sum_t x_{b,t} / max(|y_b|, 1) for SAT's score (SPEC §3), summed in float64.
+
+    An fp32 row sum's rounding depends on how far the row is padded (tried: 30% of rows differ in
+    the last bit between two widths), and the step's q pads to the mini-batch while the loss pads
+    to its micro-batch: a response scored exactly at q could then be gated in the loss and break
+    the 1 - alpha bound. In float64 the sum is width-independent in all but ~1e-9 of cases.
+    """
+    return (x.double().sum(-1) / lengths.clamp(min=1).double()).to(x.dtype)
+
+
 def _masked(x: torch.Tensor, response_mask: torch.Tensor, fallback) -> tuple[torch.Tensor, int, bool]:
     """(x * mask, n active, clean) in one transfer, or ``fallback()`` where padding held -inf or
     NaN (which x * mask turns into NaN). ``x`` is multiplied in place when the dtypes allow."""
@@ -270,12 +281,12 @@ def sequence_surrogate(
             d = padded_log_ratio(lp, old_log_prob, response_mask, False).to(d.dtype)
             row_sum = torch.sum(d, dim=-1)
         seq_lengths = lengths.clamp(min=1)
-        log_rho = row_sum / seq_lengths  # log rho_b
-        score = log_rho
+        log_rho = row_sum / seq_lengths  # log rho_b, verl's ops (the ratio)
+        score = sequence_score(d, lengths)  # log rho_b again, width-independent (the gate)
         if step.log_prob is not None:  # the step's scoring pass: log rho_b at the step's weights
-            score = padded_log_ratio(step.log_prob, score_ref, response_mask, clamp=False).sum(-1) / seq_lengths
+            score = sequence_score(padded_log_ratio(step.log_prob, score_ref, response_mask, clamp=False), lengths)
         elif score_ref is not old_log_prob:
-            score = padded_log_ratio(lp, score_ref, response_mask, clamp=False).sum(-1) / seq_lengths
+            score = sequence_score(padded_log_ratio(lp, score_ref, response_mask, clamp=False), lengths)
         f, rows, lo_b, hi_b = sequence_factors(score, lengths, n, rule, eps_low, eps_high, q=step.q)
         f = token_factors(f, response_mask)
         abs_d = d.abs() if mu is old_log_prob else padded_log_ratio(lp, mu, response_mask, clamp=False).abs_()

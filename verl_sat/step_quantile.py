@@ -35,7 +35,7 @@ from typing import Any
 import torch
 
 from verl_sat.config import sat_settings
-from verl_sat.fused import padded_log_ratio
+from verl_sat.fused import padded_log_ratio, sequence_score
 from verl_sat.quantile import exact_quantile, global_count
 
 STEP_Q_KEY = "sat_step_q"  # non-tensor entry of the mini-batch (and so of every micro-batch)
@@ -69,11 +69,12 @@ def step_scores(
 
     sat:      |d_{b,t}| = |clamp(log pi - log ref, -20, 20)| over T_act, multiplicity 1
     sat_gspo: |log rho_b| once per response, multiplicity |y_b| (broadcast to its tokens, SPEC §3)
-    Built from the fused loss's own op (``padded_log_ratio``): the same bits, whatever padding holds.
+    Built from the fused loss's own ops (``padded_log_ratio``, ``sequence_score``): the same bits,
+    whatever padding holds and however wide the rows are padded.
     """
     if loss_mode == "sat_gspo":
         lengths = torch.sum(response_mask, dim=-1)
-        seq = padded_log_ratio(score_log_prob, ref, response_mask, clamp=False).sum(-1) / lengths.clamp(min=1)
+        seq = sequence_score(padded_log_ratio(score_log_prob, ref, response_mask, clamp=False), lengths)
         return seq.abs()[lengths > 0], lengths[lengths > 0]
     d = padded_log_ratio(score_log_prob, ref, response_mask, clamp=True)
     return d.abs()[response_mask.bool()], None
