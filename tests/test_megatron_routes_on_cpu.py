@@ -31,7 +31,7 @@ def router(weight: torch.Tensor, score_function="softmax", expert_bias=None, act
 
 def hooks() -> RouteAgreementHooks:
     h = object.__new__(RouteAgreementHooks)  # no model: the hook alone
-    h.routers, h._handles = [], []
+    h.routers = []
     from verl_sat.routing_replay import RouteCounts
 
     h.counts = RouteCounts()

@@ -282,11 +282,13 @@ def sequence_surrogate(
             row_sum = torch.sum(d, dim=-1)
         seq_lengths = lengths.clamp(min=1)
         log_rho = row_sum / seq_lengths  # log rho_b, verl's ops (the ratio)
-        score = sequence_score(d, lengths)  # log rho_b again, width-independent (the gate)
+        # log rho_b again for the gate, width-independent (sequence_score)
         if step.log_prob is not None:  # the step's scoring pass: log rho_b at the step's weights
             score = sequence_score(padded_log_ratio(step.log_prob, score_ref, response_mask, clamp=False), lengths)
         elif score_ref is not old_log_prob:
             score = sequence_score(padded_log_ratio(lp, score_ref, response_mask, clamp=False), lengths)
+        else:
+            score = sequence_score(d, lengths)
         f, rows, lo_b, hi_b = sequence_factors(score, lengths, n, rule, eps_low, eps_high, q=step.q)
         f = token_factors(f, response_mask)
         abs_d = d.abs() if mu is old_log_prob else padded_log_ratio(lp, mu, response_mask, clamp=False).abs_()

@@ -78,12 +78,8 @@ class RouteAgreementHooks:
 
         self.routers = [m for chunk in modules for m in chunk.modules() if isinstance(m, TopKRouter)]
         self.counts = RouteCounts()
-        self._handles = [r.register_forward_hook(self._hook) for r in self.routers]
-
-    def remove(self) -> None:
-        for handle in self._handles:
-            handle.remove()
-        self._handles = []
+        for router in self.routers:  # for the engine's lifetime
+            router.register_forward_hook(self._hook)
 
     def _hook(self, router: Any, args: tuple, output: Any) -> None:
         from verl.utils.megatron.router_replay_patch import RouterReplayAction
@@ -99,13 +95,9 @@ class RouteAgreementHooks:
             if own.shape != target.shape:
                 return  # verl's own check raises on a misaligned replay; nothing to count here
             mask = getattr(replay, "target_replay_mask", None)
-            rows = own.shape[0]
-            replayed = (
-                torch.ones(rows, dtype=torch.bool, device=own.device)
-                if mask is None
-                else mask.reshape(-1).bool().to(own.device)
-            )
-            self.counts.add(own, target, replayed, torch.ones(rows, dtype=torch.bool, device=own.device))
+            routed = torch.ones(own.shape[0], dtype=torch.bool, device=own.device)
+            replayed = routed if mask is None else mask.reshape(-1).bool().to(own.device)
+            self.counts.add(own, target, replayed, routed)
 
 
 def megatron_routes_engine() -> type:
