@@ -136,19 +136,23 @@ class Supervisor(threading.Thread):
             f"flight; the job stops (exit {EXIT_PROCESS_DIED}); the same command resumes from {resume}"
         )
 
+    def report(self, failure: dict[str, Any]) -> None:
+        """One error line, and the fault in ``run.json``."""
+        from verl_sat.faults import update_run_record
+
+        self.failure = failure
+        print(self.describe(failure), flush=True)
+        try:
+            update_run_record(self.run_dir, fault=failure)
+        except OSError:
+            pass
+
     def run(self) -> None:
         while not self.stopped.wait(self.interval):
             failure = self.check()
             if failure is None:
                 continue
-            self.failure = failure
-            print(self.describe(failure), flush=True)
-            from verl_sat.faults import update_run_record
-
-            try:
-                update_run_record(self.run_dir, fault=failure)
-            except OSError:
-                pass
+            self.report(failure)
             _thread.interrupt_main()
             if not self.stopped.wait(GRACE_S):
                 os._exit(EXIT_PROCESS_DIED)
@@ -162,7 +166,16 @@ class Supervisor(threading.Thread):
         return self
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> bool:
+        """The driver often learns of a dead worker first (Ray's ``ActorDiedError`` from the call
+        in flight), before the next once-a-second check: an exception is checked against the
+        registered processes once more, so the job still exits ``EXIT_PROCESS_DIED``."""
         self.stop()
+        if self.is_alive():
+            self.join()
+        if self.failure is None and exc_type is not None and not issubclass(exc_type, KeyboardInterrupt):
+            failure = self.check()
+            if failure is not None:
+                self.report(failure)
         if self.failure is not None:
             raise SystemExit(EXIT_PROCESS_DIED) from exc
         return False

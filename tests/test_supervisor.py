@@ -1,0 +1,51 @@
+"""The supervisor (verl_sat.rollout.supervisor) turns a dead registered process into exit 4,
+also when the driver hears of it first, as Ray's ActorDiedError from the call in flight."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from verl_sat.rollout import supervisor
+from verl_sat.rollout.supervisor import EXIT_PROCESS_DIED, RUN_DIR_ENV, Supervisor
+
+
+def registered_child(run_dir: Path, monkeypatch: pytest.MonkeyPatch) -> subprocess.Popen:
+    """A child process registered as trainer worker rank0 in ``run_dir`` (as the SAT worker does)."""
+    monkeypatch.setenv(RUN_DIR_ENV, str(run_dir))
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    monkeypatch.setattr(os, "getpid", lambda: child.pid)
+    supervisor.register("trainer worker", "rank0")
+    monkeypatch.undo()
+    return child
+
+
+def test_an_error_from_a_dead_worker_exits_4_before_the_next_check(tmp_path, monkeypatch):
+    (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 1, "data": {}}) + "\n")
+    child = registered_child(tmp_path, monkeypatch)
+    child.kill()
+    child.wait()
+    with pytest.raises(SystemExit) as stopped:
+        with Supervisor(tmp_path, total_steps=8, interval=3600):  # its thread never gets to check
+            raise RuntimeError("ActorDiedError: the actor died unexpectedly")
+    assert stopped.value.code == EXIT_PROCESS_DIED
+    assert isinstance(stopped.value.__cause__, RuntimeError)  # the driver's error stays attached
+    fault = json.loads((tmp_path / "run.json").read_text())["fault"]
+    assert fault["pid"] == child.pid and fault["kind"] == "trainer worker" and fault["step"] == 2
+
+
+def test_an_error_with_every_process_alive_is_the_error_itself(tmp_path, monkeypatch):
+    child = registered_child(tmp_path, monkeypatch)
+    try:
+        with pytest.raises(RuntimeError, match="a bug"):
+            with Supervisor(tmp_path, total_steps=8, interval=3600):
+                raise RuntimeError("a bug")
+    finally:
+        child.kill()
+        child.wait()
+    assert not (tmp_path / "run.json").exists()
