@@ -49,3 +49,34 @@ def test_an_error_with_every_process_alive_is_the_error_itself(tmp_path, monkeyp
         child.kill()
         child.wait()
     assert not (tmp_path / "run.json").exists()
+
+
+def _role_in_child(queue) -> None:
+    queue.put(supervisor.vllm_role())
+
+
+def test_vllm_processes_are_told_apart_from_its_helpers(tmp_path, monkeypatch):
+    """The plugin registers verl's vLLM server actor and its engine core, never a vLLM helper
+    (the model-inspection subprocess) that exits by design, nor a process outside verl's server."""
+    import multiprocessing
+    import types
+
+    monkeypatch.delenv("VERL_REPLICA_RANK", raising=False)
+    monkeypatch.setitem(sys.modules, "ray", types.SimpleNamespace(is_initialized=lambda: True))
+    assert supervisor.vllm_role() is None  # not in verl's vLLMHttpServer
+    monkeypatch.setenv("VERL_REPLICA_RANK", "3")
+    assert supervisor.vllm_role() == "server"  # the Ray actor itself
+    monkeypatch.setitem(sys.modules, "ray", types.SimpleNamespace(is_initialized=lambda: False))
+    assert supervisor.vllm_role() is None  # a plain subprocess: vLLM's inspection helper
+    context = multiprocessing.get_context("fork")
+    queue = context.Queue()
+    for name, expected in (("EngineCore", "EngineCore"), ("SomeHelper", None)):
+        child = context.Process(target=_role_in_child, args=(queue,), name=name)
+        child.start()
+        assert queue.get(timeout=30) == expected
+        child.join()
+    monkeypatch.setitem(sys.modules, "ray", types.SimpleNamespace(is_initialized=lambda: True))
+    monkeypatch.setenv(RUN_DIR_ENV, str(tmp_path))
+    supervisor.register_vllm_process()
+    (entry,) = [json.loads(p.read_text()) for p in (tmp_path / "processes").glob("*.json")]
+    assert entry["name"] == "vllm3" and entry["kind"] == "rollout replica" and entry["pid"] == os.getpid()

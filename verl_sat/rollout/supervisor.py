@@ -3,9 +3,10 @@
 verl 0.9.1 does not notice a rollout server that dies: each request to it fails, the replay
 buffer evicts the failed group and refills it with a fresh prompt, which fails again, and the
 trainer waits for samples that never come. A trainer worker that dies mid-step surfaces as an
-exception only once verl next calls it. So every HF rollout server and every verl-sat actor
-worker registers its process id in ``<run_dir>/processes/`` when it starts (``register``), and
-the driver (``verl_sat.main``) runs a ``Supervisor`` thread that checks them once a second.
+exception only once verl next calls it. So every HF rollout server, every process of verl's
+vLLM server (``register_vllm_process``, a vLLM plugin) and every verl-sat actor worker registers
+its process id in ``<run_dir>/processes/`` when it starts (``register``), and the driver
+(``verl_sat.main``) runs a ``Supervisor`` thread that checks them once a second.
 
 When one is gone, the supervisor prints one error line naming the process, the global step in
 progress and what was lost, records it in ``run.json`` (``fault``), and interrupts the driver,
@@ -22,6 +23,7 @@ import _thread
 import json
 import os
 import socket
+import sys
 import threading
 import time
 from pathlib import Path
@@ -45,6 +47,38 @@ def register(kind: str, name: str) -> None:
         (folder / f"{kind.replace(' ', '_')}_{name}.json").write_text(json.dumps(entry))
     except OSError:
         return
+
+
+def vllm_role() -> str | None:
+    """Which process of verl's vLLM server this is: the server actor, its engine core, or None.
+
+    verl's ``vLLMHttpServer`` (a Ray actor) sets ``VERL_REPLICA_RANK``; vLLM starts the engine core
+    as a ``multiprocessing`` child named ``EngineCore...``. A short-lived helper that also loads
+    vLLM's plugins (its model-inspection subprocess, run with ``subprocess``) is neither, and is not
+    watched: it exits by design.
+    """
+    import multiprocessing
+
+    if os.environ.get("VERL_REPLICA_RANK") is None:
+        return None
+    name = multiprocessing.current_process().name
+    if name.startswith("EngineCore"):
+        return name
+    ray = sys.modules.get("ray")
+    if multiprocessing.parent_process() is None and ray is not None and ray.is_initialized():
+        return "server"
+    return None
+
+
+def register_vllm_process() -> None:
+    """vLLM general plugin (entry point ``vllm.general_plugins``, loaded by vLLM in each of its
+    processes, on every platform): register the server actor and engine core of replica ``r`` as
+    rollout replica ``vllm<r>`` / ``vllm<r>.EngineCore``."""
+    role = vllm_role()
+    if role is None:
+        return
+    rank = os.environ["VERL_REPLICA_RANK"]
+    register("rollout replica", f"vllm{rank}" if role == "server" else f"vllm{rank}.{role}")
 
 
 def alive(pid: int) -> bool:
