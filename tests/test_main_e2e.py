@@ -103,6 +103,27 @@ def test_default_job_separate_async_lag2(assets, tmp_path):
     assert "FSDPActorConfig" in (tmp_path / "run" / "console.log").read_text() and "FSDPActorConfig" not in stdout
 
 
+def test_auto_lag_broadcasts_when_the_mismatch_asks_and_keeps_its_bound(assets, tmp_path):
+    """sat.lag=auto through verl's separate_async: one optimizer step per global step, verl's weight
+    sync only where the rule says (dbar_pi above a tiny target, within [2, 4] steps of the last
+    broadcast), the staleness it leaves up to max and above 1, logged per step and in run.json."""
+    rule = ["sat.lag=auto", "sat.auto_lag.target=1e-6", "sat.auto_lag.min=2", "sat.auto_lag.max=4"]
+    rows, stdout = run_main(assets, tmp_path / "run", *rule, steps=8)
+    assert [r["step"] for r in rows] == list(range(1, 9))
+    decided = [(int(r["training/sat/auto_lag/lag"]), r["training/sat/auto_lag/broadcast"]) for r in rows]
+    gaps = [k for k, broadcast in decided if broadcast]
+    assert gaps and all(2 <= k <= 4 for k in gaps), decided
+    assert any(k < 4 for k in gaps), decided  # the signal, not only max, triggered a broadcast
+    assert all(k < 4 for k, broadcast in decided if not broadcast)
+    staleness = [r["training/sat/staleness_steps/max"] for r in rows]
+    assert max(staleness) <= 4 and max(staleness) >= 2, staleness  # skipped syncs leave the rollout behind
+    run = json.loads((tmp_path / "run" / "run.json").read_text())
+    assert run["config"]["trainer"]["v1"]["separate_async"]["parameter_sync_step"] == 1
+    assert run["auto_lag"]["broadcasts"] == len(gaps) and run["auto_lag"]["lags"] == gaps
+    assert f"sat.lag=auto (dbar_pi > 1e-06, lag in [2, 4]): {len(gaps)} broadcasts in 8 optimizer steps" in stdout
+    assert "-> broadcast" in stdout
+
+
 def test_sync_with_two_data_parallel_ranks(assets, tmp_path):
     """sync runs with two data-parallel trainer ranks and one response per micro-batch: the
     step's q is all-reduced across ranks (verl_sat.quantile) inside verl's FSDP engine.

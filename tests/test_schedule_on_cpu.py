@@ -70,9 +70,9 @@ def test_actor_selects_sat_trainer_mode_and_rollout_log_probs():
 @pytest.mark.parametrize(
     "node,message",
     [
-        ({"lag": 0}, "sat.lag must be an integer >= 1, got 0"),
-        ({"lag": "2"}, "sat.lag must be an integer >= 1, got '2'"),
-        ({"lag": True}, "sat.lag must be an integer >= 1, got True"),
+        ({"lag": 0}, "sat.lag must be an integer >= 1 or .auto., got 0"),
+        ({"lag": "2"}, "sat.lag must be an integer >= 1 or .auto., got .2."),
+        ({"lag": True}, "sat.lag must be an integer >= 1 or .auto., got True"),
         ({"routing_replay": "R4"}, "sat.routing_replay must be one of .* got 'R4'"),
         ({"lagg": 2}, "unknown key.*sat.lagg"),
     ],

@@ -51,6 +51,7 @@ import numpy as np
 import torch
 
 from verl_sat.accounting import SampleAccountingMixin
+from verl_sat.auto_lag import AutoLagTrainerMixin
 from verl_sat.faults import FaultMixin, scale_lr
 from verl_sat.sentinel import SentinelTrainerMixin
 
@@ -341,7 +342,7 @@ def sat_worker_class(remote_cls: Any) -> Any:
     return ray.remote(cls)
 
 
-class SATTrainerMixin(SentinelTrainerMixin, SampleAccountingMixin, FaultMixin):
+class SATTrainerMixin(SentinelTrainerMixin, AutoLagTrainerMixin, SampleAccountingMixin, FaultMixin):
     """A v1 trainer that writes per-sample staleness for the loss and uses SAT workers.
 
     Registered as ``sat_<mode>``; ``trainer_mode`` reads back as ``<mode>`` so that verl's own
@@ -365,7 +366,9 @@ class SATTrainerMixin(SentinelTrainerMixin, SampleAccountingMixin, FaultMixin):
                 self.role_worker_mapping[role] = sat_worker_class(self.role_worker_mapping[role])
 
     def _update_actor(self, batch: Any, metrics: dict) -> Any:
-        return super()._update_actor(self._put_staleness(batch, metrics), metrics)  # type: ignore[misc]
+        batch = super()._update_actor(self._put_staleness(batch, metrics), metrics)  # type: ignore[misc]
+        self._auto_lag_observe(metrics)  # sat.lag=auto: this step's signal (verl_sat.auto_lag)
+        return batch
 
     def _put_staleness(self, batch: Any, metrics: dict) -> Any:
         """Write ``sat_staleness`` for this mini-batch into TransferQueue; the batch now lists it."""
@@ -400,7 +403,14 @@ class SATTrainerMixin(SentinelTrainerMixin, SampleAccountingMixin, FaultMixin):
 
     def on_step_end(self) -> None:
         self._sentinel_rollback_if_pending()
+        self._auto_lag_wrap_sync()
         super().on_step_end()  # type: ignore[misc]
+
+    def _sentinel_safer_setting(self) -> dict[str, tuple[int, int]]:
+        """sat.lag=auto: halve ``sat.auto_lag.max`` and broadcast now; a fixed lag: halve it."""
+        if self._auto_lag() is not None:
+            return self._auto_lag_after_rollback()
+        return super()._sentinel_safer_setting()
 
     def _submit_batch_to_rollout(self, batch: Any) -> int:
         self._account_submitted(batch)

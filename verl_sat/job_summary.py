@@ -99,8 +99,8 @@ def inert_warning(rows: Sequence[dict[str, Any]], eps_high: float, window: int =
 
 
 def plot_job(rows: Sequence[dict[str, Any]], path: Path) -> Path:
-    """``reward.png``: reward (with its first/last-quarter means), dbar_pi, SAT gate rate and the
-    intercepted fraction (tokens SAT clips and PPO does not) per step."""
+    """``reward.png``: reward (with its first/last-quarter means), dbar_pi (with sat.lag=auto's
+    broadcasts), SAT gate rate and the intercepted fraction (tokens SAT clips and PPO does not) per step."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -122,6 +122,11 @@ def plot_job(rows: Sequence[dict[str, Any]], path: Path) -> Path:
         ax.set_title(label)
         ax.set_xlabel("global step")
         ax.grid(alpha=0.3)
+    broadcasts = [r["step"] for r in rows if r.get("training/sat/auto_lag/broadcast")]  # sat.lag=auto
+    for step in broadcasts:
+        axes[1].axvline(step, color="tab:red", lw=0.6, alpha=0.5)
+    if broadcasts:
+        axes[1].set_title(f"dbar_pi (red: the {len(broadcasts)} broadcasts of sat.lag=auto)")
     quarters = quarter_means(rows)
     if quarters:
         first, last = quarters

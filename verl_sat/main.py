@@ -33,7 +33,7 @@ from typing import Any
 import hydra
 from omegaconf import DictConfig, ListConfig, OmegaConf, open_dict
 
-from verl_sat import job_summary
+from verl_sat import auto_lag, job_summary
 from verl_sat.console import CONSOLE_LOG, quiet_console, quiet_sources
 from verl_sat.faults import check_writable, finish_run
 from verl_sat.paper_table import derive_method
@@ -305,11 +305,14 @@ def progress_line(row: dict[str, Any]) -> str:
         value = row.get(PROGRESS_KEYS[key])
         return format(value, spec) if isinstance(value, (int, float)) else "-"
 
-    return (
+    line = (
         f"[verl-sat] step {row['step']:>4} | reward {fmt('reward', '.3f')} | gate {fmt('gate', '.3f')} | "
         f"intercepted {fmt('intercepted', '.4f')} | dbar_pi {fmt('dbar_pi', '.4f')} | "
         f"staleness<= {fmt('staleness', '.0f')} | {fmt('seconds', '.1f')} s"
     )
+    if isinstance(row.get(auto_lag.LAG_KEY), int | float):  # sat.lag=auto: the lag this step ran at
+        line += f" | lag {row[auto_lag.LAG_KEY]:.0f}{' -> broadcast' if row.get(auto_lag.BROADCAST_KEY) else ''}"
+    return line
 
 
 class ProgressPrinter(threading.Thread):
@@ -424,6 +427,7 @@ def write_run_record(
         "method_derived": derived,
         "lag": sat.lag,
         "filled_by_default": filled,
+        **({"auto_lag": dict(sat.auto_lag.__dict__)} if sat.lag == auto_lag.AUTO else {}),
         "config": OmegaConf.to_container(cfg, resolve=True),
     }
     (run_dir / "run.json").write_text(json.dumps(record, indent=1))
@@ -456,13 +460,36 @@ def run(cfg: DictConfig) -> list[dict[str, Any]]:
                 ray.shutdown()
             status = finish_run(run_dir, log=lambda line: print(line, flush=True))
     rows = read_metrics(run_dir / METRICS_FILE)
-    print(summary(rows, time.perf_counter() - start, sat.lag), flush=True)
+    print(summary(rows, time.perf_counter() - start, 1 if sat.lag == auto_lag.AUTO else sat.lag), flush=True)
+    for line in lag_lines(run_dir, rows, sat):
+        print(line, flush=True)
     print(f"[verl-sat] metrics: {run_dir / METRICS_FILE}", flush=True)
     if rows:
         print(f"[verl-sat] reward curve: {job_summary.plot_job(rows, run_dir / 'reward.png')}", flush=True)
     if status:
         raise SystemExit(status)  # a collapsed run never exits 0 (verl_sat.faults.collapse_exit)
     return rows
+
+
+def lag_lines(run_dir: Path, rows: list[dict[str, Any]], sat: SATRecipeConfig) -> list[str]:
+    """sat.lag=auto: the broadcasts, also into ``run.json`` (``auto_lag``); a fixed lag: the
+    ``sat.auto_lag.target`` values its staleness levels suggest (``verl_sat.auto_lag.suggestion_line``)."""
+    if sat.lag != auto_lag.AUTO:
+        line = auto_lag.suggestion_line(rows)
+        return [line] if line else []
+    from verl_sat.faults import update_run_record
+
+    decided = [r for r in rows if auto_lag.BROADCAST_KEY in r]
+    broadcasts = sum(bool(r[auto_lag.BROADCAST_KEY]) for r in decided)
+    lags = [int(r[auto_lag.LAG_KEY]) for r in decided if r[auto_lag.BROADCAST_KEY]]
+    record = {**sat.auto_lag.__dict__, "broadcasts": broadcasts, "steps": len(decided), "lags": lags}
+    update_run_record(run_dir, auto_lag=record)
+    mean = f"{sum(lags) / len(lags):.2f}" if lags else "-"
+    return [
+        f"[verl-sat] sat.lag=auto ({sat.auto_lag.signal} > {sat.auto_lag.target:g}, lag in "
+        f"[{sat.auto_lag.min}, {sat.auto_lag.max}]): {broadcasts} broadcasts in {len(decided)} optimizer steps, "
+        f"mean lag {mean}"
+    ]
 
 
 def announce_console(run_dir: Path, verbose: bool) -> None:

@@ -139,6 +139,8 @@ def load_run(path: str | Path) -> Run:
             meta = json.loads(meta_path.read_text(encoding="utf-8"))
         except json.JSONDecodeError as exc:
             raise ValueError(f"{meta_path}: not valid JSON ({exc.msg})") from exc
+    if meta.get("lag") == "auto":  # sat.lag=auto: reported at its staleness bound
+        meta = {**meta, "lag": int((meta.get("auto_lag") or {}).get("max", 8))}
     if "method" in meta and "lag" in meta:
         method, lag = normalize_method(str(meta["method"])), int(meta["lag"])
     else:

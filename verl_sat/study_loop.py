@@ -7,6 +7,8 @@ process, with the model built once per run from the cached default assets (start
 second after the first import):
 
     after every n-th optimizer step: rollout <- trainer weights          (the lag n, SPEC §1)
+        (``auto_lag``: after a step whose signal exceeds ``auto_target``, within [auto_min, lag],
+        the rule of verl_sat.auto_lag, the same object the trainer uses)
     y ~ mu: the CPU trainer's own HF rollout engine (verl_sat.rollout.engine.HFEngine), with its
         mismatch knobs: fixed logit bias, i.i.d. logit noise, fixed router bias, router noise;
         the batch of step j+1 is drawn while step j trains (one batch in flight, as verl's
@@ -79,6 +81,11 @@ class LoopConfig:
     """disabled | R3 (the rollout's routes replayed in the trainer's forward, SPEC §6)"""
     lag: int = 1
     """optimizer steps between weight broadcasts (the paper's n)"""
+    auto_lag: bool = False
+    """broadcast by verl_sat.auto_lag's rule instead of every ``lag`` steps; ``lag`` is then its max"""
+    auto_target: float = 0.02
+    auto_min: int = 1
+    auto_signal: str = "dbar_pi"
     staleness: str = "trainer"
     """trainer: one batch in flight, staleness in [1, n] as verl's separate_async | legacy: [0, n - 1]"""
     steps: int = 200
@@ -137,9 +144,18 @@ class LoopConfig:
         }
         for name in ("logit_bias_std", "logit_noise_std", "router_bias_std", "router_noise_std"):
             checks[name] = (getattr(self, name) >= 0, ">= 0")
+        checks["auto_lag"] = (not self.auto_lag or self.staleness == "trainer", "false with staleness='legacy'")
         for name, (ok, want) in checks.items():
             if not ok:
                 raise ValueError(f"LoopConfig.{name} must be {want}, got {getattr(self, name)!r}")
+        if self.auto_lag:
+            self.auto_lag_config()
+
+    def auto_lag_config(self) -> Any:
+        """The trainer's ``AutoLagConfig`` of this loop's auto_* fields (``lag`` is its max)."""
+        from verl_sat.auto_lag import AutoLagConfig
+
+        return AutoLagConfig(target=self.auto_target, min=self.auto_min, max=self.lag, signal=self.auto_signal)
 
 
 @dataclass
@@ -482,10 +498,16 @@ class StudyLoop:
             out = Path(out_dir)
             out.mkdir(parents=True, exist_ok=True)
             (out / "loop_config.json").write_text(json.dumps(asdict(self.cfg), indent=2))
-            meta = {"method": method or self.cfg.loss_mode, "lag": self.cfg.lag, "name": out.name}
+            meta = {"method": method or self.cfg.loss_mode, "lag": "auto" if self.cfg.auto_lag else self.cfg.lag}
+            meta["name"] = out.name
+            if self.cfg.auto_lag:
+                meta["auto_lag"] = dict(self.cfg.auto_lag_config().__dict__)
             (out / "run.json").write_text(json.dumps(meta, indent=2))
             sink = (out / METRICS_FILE).open("w")
+        from verl_sat.auto_lag import BROADCAST_KEY, AutoLag, signal_of
+
         lag, in_flight = self.cfg.lag, self.cfg.staleness == "trainer"
+        gate = AutoLag(self.cfg.auto_lag_config()) if self.cfg.auto_lag else None
         try:
             initial = self.heldout_accuracy() if self.cfg.eval_problems > 0 and 0 in self.cfg.eval_at else {}
             self.sync_weights(0)
@@ -500,8 +522,16 @@ class StudyLoop:
                     batch = self.generate()
                 gen_s = time.perf_counter() - start
                 metrics = self.update(batch)
-                if in_flight and (step + 1) % lag == 0:
-                    self.sync_weights(step + 1)  # the broadcast after every n-th optimizer step
+                if in_flight:
+                    if gate is None:
+                        broadcast = (step + 1) % lag == 0  # the broadcast after every n-th optimizer step
+                        metrics[BROADCAST_KEY] = float(broadcast)
+                    else:  # sat.lag=auto: the trainer's rule on this step's signal
+                        signal = signal_of(metrics, gate.config)
+                        broadcast, k = gate.decide(signal)
+                        metrics.update(gate.step_metrics(broadcast, k, signal))
+                    if broadcast:
+                        self.sync_weights(step + 1)
                 metrics["training/sat/staleness_steps/max"] = float(step - batch.version)
                 metrics["timing_s/gen"] = gen_s
                 if self._eval_due(step + 1):

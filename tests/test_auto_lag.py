@@ -1,0 +1,239 @@
+"""sat.lag=auto (verl_sat.auto_lag): the rule, its validation, its wiring onto verl's keys and
+weight sync, what a run logs, and the study loop driven by the same rule."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from test_main_on_cpu import assets, cpu_cfg, no_build, restore_environ  # noqa: F401  (fixtures)
+from test_schedule_on_cpu import v1_config
+
+from verl_sat import main
+from verl_sat.auto_lag import (
+    BROADCAST_KEY,
+    LAG_KEY,
+    SIGNAL_KEY,
+    AutoLag,
+    AutoLagConfig,
+    AutoLagTrainerMixin,
+    GatedWeightSync,
+    suggest_targets,
+    suggestion_line,
+)
+from verl_sat.schedule import SATRecipeConfig, apply_lag
+
+signals = st.lists(st.one_of(st.none(), st.floats(0, 1), st.just(float("nan"))), min_size=1, max_size=60)
+
+
+@settings(max_examples=300, deadline=None)
+@given(signals, st.integers(1, 4), st.integers(0, 6), st.floats(0.01, 0.99))
+def test_every_gap_between_broadcasts_lies_in_min_max_and_only_the_signal_shortens_it(values, lo, extra, target):
+    """k >= min and (s > target or k >= max): each gap in [min, max]; a gap below max ends on a step
+    whose signal exceeded target; a step at or past min with the signal above target broadcasts."""
+    hi = lo + extra
+    gate = AutoLag(AutoLagConfig(target=target, min=lo, max=hi))
+    last, shortened = 0, 0
+    for step, value in enumerate(values, start=1):
+        broadcast, k = gate.decide(value)
+        assert k == step - last
+        above = value is not None and value == value and value > target
+        if broadcast:
+            assert lo <= k <= hi
+            if k < hi:
+                assert above
+                shortened += 1
+            last = step
+        else:
+            assert k < hi and not (above and k >= lo)
+    if all(v is None or v != v or v <= target for v in values):
+        assert shortened == 0 and gate.broadcasts == len(values) // hi  # a fixed lag of max
+
+
+def test_a_forced_broadcast_ignores_min():
+    gate = AutoLag(AutoLagConfig(target=0.5, min=3, max=5))
+    assert gate.decide(0.9) == (False, 1)  # above target, below min
+    gate.force_next()
+    assert gate.decide(0.0) == (True, 2)
+    assert gate.decide(0.9) == (False, 1)
+
+
+@pytest.mark.parametrize(
+    "node,message",
+    [
+        ({"target": 0}, r"sat.auto_lag.target must be a number > 0, got 0"),
+        ({"target": -1.0}, r"sat.auto_lag.target must be a number > 0"),
+        ({"target": "high"}, r"sat.auto_lag.target must be a number > 0, got 'high'"),
+        ({"min": 4, "max": 2}, r"sat.auto_lag.min=4 must be <= sat.auto_lag.max=2"),
+        ({"min": 0}, r"sat.auto_lag.min must be an integer >= 1, got 0"),
+        ({"max": 2.5}, r"sat.auto_lag.max must be an integer >= 1, got 2.5"),
+        ({"signal": "reward"}, r"sat.auto_lag.signal must be one of \['dbar_pi', 'intercepted', 'q'\], got 'reward'"),
+        ({"tagret": 0.1}, r"unknown key\(s\) under sat.auto_lag: sat.auto_lag.tagret"),
+    ],
+)
+def test_bad_values_name_the_key(node, message):
+    with pytest.raises(ValueError, match=message):
+        SATRecipeConfig.from_node({"lag": "auto", "auto_lag": node})
+
+
+def test_the_lag_is_an_integer_or_auto():
+    assert SATRecipeConfig.from_node({"lag": "auto"}).lag == "auto"
+    with pytest.raises(ValueError, match=r"sat.lag must be an integer >= 1 or 'auto', got 'fast'"):
+        SATRecipeConfig.from_node({"lag": "fast"})
+
+
+def test_auto_maps_to_one_optimizer_step_per_global_step():
+    cfg = v1_config()
+    apply_lag(cfg, "auto")
+    v1 = cfg.trainer.v1
+    assert v1.separate_async.parameter_sync_step == 1 and cfg.data.train_batch_size == 8
+    assert v1.separate_async.num_warmup_batches == 1.0 and v1.sampler.max_off_policy_threshold == 2
+    assert cfg.actor_rollout_ref.hybrid_engine is False
+
+
+@pytest.mark.parametrize("mode", ["sync", "colocate_async", "sat_colocate_async"])
+def test_auto_where_every_step_broadcasts_is_refused_naming_the_mode(mode):
+    with pytest.raises(ValueError, match=rf"sat.lag=auto needs trainer.v1.trainer_mode=separate_async.*{mode}"):
+        apply_lag(v1_config(mode), "auto")
+
+
+def test_bad_auto_values_fail_in_prepare_before_ray(assets, tmp_path, no_build):  # noqa: F811
+    with pytest.raises(ValueError, match=r"sat.auto_lag.min=9 must be <= sat.auto_lag.max=8"):
+        main.prepare(cpu_cfg(assets, tmp_path, "sat.lag=auto", "sat.auto_lag.min=9"))
+    with pytest.raises(ValueError, match=r"sat.lag=auto needs trainer.v1.trainer_mode=separate_async"):
+        main.prepare(cpu_cfg(assets, tmp_path, "sat.lag=auto", "trainer.v1.trainer_mode=sync"))
+    assert not (tmp_path / "run").exists()  # nothing written
+
+
+def test_prepare_records_the_rule_and_keeps_what_the_user_set(assets, tmp_path, no_build):  # noqa: F811
+    cfg = cpu_cfg(assets, tmp_path, "sat.lag=auto", "sat.auto_lag.target=0.05", "sat.auto_lag.signal=q")
+    sat, run_dir = main.prepare(cfg)
+    record = json.loads((run_dir / "run.json").read_text())
+    assert record["lag"] == "auto"
+    assert record["auto_lag"] == {"target": 0.05, "min": 1, "max": 8, "signal": "q"}
+    assert cfg.trainer.v1.separate_async.parameter_sync_step == 1
+    assert cfg.data.train_batch_size == cfg.actor_rollout_ref.actor.ppo_mini_batch_size
+
+
+class FakeManager:
+    def __init__(self) -> None:
+        self.synced: list[int] = []
+
+    def update_weights(self, global_steps: int) -> dict:
+        self.synced.append(global_steps)
+        return {"sync/bytes": 1.0}
+
+    def sleep_replicas(self) -> str:
+        return "asleep"
+
+
+class FakeTrainer(AutoLagTrainerMixin):
+    def __init__(self, sat: dict) -> None:
+        self.config = {"sat": sat}
+        self.standalone_checkpoint_manager = FakeManager()
+
+
+def test_the_trainer_syncs_only_on_the_steps_the_rule_picks():
+    trainer = FakeTrainer({"lag": "auto", "auto_lag": {"target": 0.1, "min": 2, "max": 4}})
+    manager = trainer.standalone_checkpoint_manager
+    logged = []
+    for step, dbar in enumerate([0.5, 0.5, 0.0, 0.0, 0.0, 0.0, 0.2], start=1):
+        trainer._auto_lag_observe({"actor/mismatch_abs_mean": dbar})
+        trainer._auto_lag_wrap_sync()
+        logged.append(trainer.standalone_checkpoint_manager.update_weights(step))  # what verl's on_step_end calls
+    assert isinstance(trainer.standalone_checkpoint_manager, GatedWeightSync)
+    assert trainer.standalone_checkpoint_manager.sleep_replicas() == "asleep"  # the rest passes through
+    assert manager.synced == [2, 6]  # min 2 holds step 1; max 4 forces step 6; step 7 is below min
+    assert [row[BROADCAST_KEY] for row in logged] == [0, 1, 0, 0, 0, 1, 0]
+    assert [row[LAG_KEY] for row in logged] == [1, 2, 1, 2, 3, 4, 1]
+    assert logged[1]["sync/bytes"] == 1.0 and "sync/bytes" not in logged[0]  # verl's own sync metrics kept
+    assert logged[0][SIGNAL_KEY] == 0.5
+
+
+def test_a_rollback_broadcasts_at_once_and_halves_max():
+    trainer = FakeTrainer({"lag": "auto", "auto_lag": {"target": 0.1, "min": 2, "max": 8}})
+    assert trainer._auto_lag_after_rollback() == {"sat.auto_lag.max": (8, 4)}
+    trainer._auto_lag_wrap_sync()
+    assert trainer.standalone_checkpoint_manager.update_weights(5)[BROADCAST_KEY] == 1.0  # below min, forced
+    assert trainer._auto_lag_after_rollback() == {"sat.auto_lag.max": (4, 2)}
+    assert trainer._auto_lag_after_rollback() == {}  # max reached min
+
+
+def test_a_fixed_lag_run_is_left_alone():
+    trainer = FakeTrainer({"lag": 2})
+    trainer._auto_lag_observe({"actor/mismatch_abs_mean": 1.0})
+    trainer._auto_lag_wrap_sync()
+    assert isinstance(trainer.standalone_checkpoint_manager, FakeManager)
+    assert trainer._auto_lag_after_rollback() == {}
+
+
+def test_targets_are_suggested_from_dbar_pi_by_staleness():
+    rows = [
+        {"actor/sat_by_staleness/0/mismatch_abs_mean": 0.001, "actor/sat_by_staleness/2/mismatch_abs_mean": 0.03},
+        {"actor/sat_by_staleness/1/mismatch_abs_mean": 0.01, "actor/sat_by_staleness/2/mismatch_abs_mean": 0.05},
+        {"actor/sat_by_staleness/2/gate_rate": 0.5, "actor/mismatch_abs_mean": 9.0},
+    ]
+    assert suggest_targets(rows) == pytest.approx({0: 0.001, 1: 0.01, 2: 0.04})
+    line = suggestion_line(rows)
+    assert "s=1: 0.01, s=2: 0.04" in line and "s=0" not in line
+    assert suggestion_line([{"critic/score/mean": 1.0}]) is None
+
+
+def test_the_console_and_run_json_show_the_broadcasts(tmp_path):
+    rows = [
+        {"step": 1, BROADCAST_KEY: 0.0, LAG_KEY: 1.0},
+        {"step": 2, BROADCAST_KEY: 1.0, LAG_KEY: 2.0},
+        {"step": 3, BROADCAST_KEY: 1.0, LAG_KEY: 1.0},
+    ]
+    assert main.progress_line(rows[1]).endswith("| lag 2 -> broadcast")
+    assert main.progress_line(rows[0]).endswith("| lag 1")
+    assert "lag" not in main.progress_line({"step": 1}).split("|")[-1]
+    (tmp_path / "run.json").write_text("{}")
+    sat = SATRecipeConfig.from_node({"lag": "auto", "auto_lag": {"target": 0.03, "max": 4}})
+    (line,) = main.lag_lines(tmp_path, rows, sat)
+    assert "2 broadcasts in 3 optimizer steps, mean lag 1.50" in line and "dbar_pi > 0.03" in line
+    record = json.loads((tmp_path / "run.json").read_text())["auto_lag"]
+    assert record["broadcasts"] == 2 and record["lags"] == [2, 1] and record["max"] == 4
+
+
+# -- the study loop, driven by the same rule ------------------------------------------------------
+@pytest.fixture(scope="module")
+def model_and_tokenizer():
+    from verl_sat.default import model as tiny
+
+    torch.set_num_threads(1)
+    tokenizer = tiny.build_tokenizer()
+    return tiny.build_model(tiny.build_config(tokenizer), seed=0).eval(), tokenizer
+
+
+def test_the_study_loop_broadcasts_by_the_rule_and_keeps_the_staleness_bound(model_and_tokenizer, monkeypatch):
+    from verl_sat.default import reward
+    from verl_sat.study_loop import LoopConfig, StudyLoop
+
+    monkeypatch.setattr(reward, "compute_score", lambda source, text, answer: float(len(text) % 2))
+    base = {"steps": 9, "prompts_per_step": 2, "rollout_n": 2, "max_response_length": 4, "lr": 1e-2}
+    never = StudyLoop(LoopConfig(**base, lag=3, auto_lag=True, auto_target=1e9), *model_and_tokenizer).run()
+    fixed = StudyLoop(LoopConfig(**base, lag=3), *model_and_tokenizer).run()
+    staleness = [r["training/sat/staleness_steps/max"] for r in never]
+    assert staleness == [r["training/sat/staleness_steps/max"] for r in fixed]  # a target never met: lag max
+    assert [r[BROADCAST_KEY] for r in never] == [r[BROADCAST_KEY] for r in fixed] == [0, 0, 1] * 3
+    eager = StudyLoop(LoopConfig(**base, lag=3, auto_lag=True, auto_target=1e-9), *model_and_tokenizer).run()
+    assert all(r[BROADCAST_KEY] == 1.0 for r in eager[1:])  # any drift broadcasts: lag 1
+    assert [r["training/sat/staleness_steps/max"] for r in eager][3:] == [1] * 6  # one step off, as lag 1
+    assert all(r["training/sat/staleness_steps/max"] <= 3 for r in never + eager)
+    with pytest.raises(ValueError, match=r"sat.auto_lag.min=4 must be <= sat.auto_lag.max=3"):
+        LoopConfig(**base, lag=3, auto_lag=True, auto_min=4)
+
+
+def test_a_report_reads_an_auto_run_at_its_staleness_bound(tmp_path):
+    from verl_sat.report import load_run
+
+    run = tmp_path / "r"
+    run.mkdir()
+    (run / "run.json").write_text(json.dumps({"method": "sat_gspo_r3", "lag": "auto", "auto_lag": {"max": 8}}))
+    (run / "metrics.jsonl").write_text('{"step": 1, "data": {"critic/score/mean": 0.5}}\n')
+    assert load_run(Path(run)).lag == 8

@@ -1,0 +1,219 @@
+"""Mismatch-driven lag, ``sat.lag=auto``: broadcast the weights when the mismatch asks for it (SPEC §1, §2).
+
+A fixed lag n broadcasts after every n-th optimizer step, whatever the policy did in between.
+SAT already measures, every step, how far the rollout's policy mu has drifted from the trained
+pi_theta on the batch it just trained. ``auto`` broadcasts on that measurement. After optimizer
+step j, with k the optimizer steps since the last broadcast (k = 1 right after one) and s_j the
+chosen signal of step j's batch:
+
+    broadcast after step j  <=>  k >= min  and  (s_j > target  or  k >= max)
+
+signals (all logged by SAT's losses every step, SPEC §2):
+    dbar_pi      = mean over the batch's tokens of |log pi_theta - log mu|   (default; paper Eq. 52)
+    q            = the step's alpha-quantile of |d|, d = log pi_theta - log mu
+    intercepted  = share of tokens SAT clips that PPO alone does not
+
+Every broadcast goes through verl's own weight sync, as a fixed lag's does; between two of them
+the rollout keeps sampling with the weights it has, so a sample's staleness (verl_sat.actor
+.staleness_in_steps) is at most ``max``: that stays the staleness bound. ``min`` caps how often the
+rollout pauses for a sync. docs/async.md ("Mismatch-driven lag") says why dbar_pi is a sound
+trigger and where it is not, and how to choose ``target`` (``suggest_targets``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, fields
+from typing import Any
+
+AUTO = "auto"
+SIGNALS: dict[str, str] = {
+    "dbar_pi": "actor/mismatch_abs_mean",
+    "q": "actor/sat_q",
+    "intercepted": "actor/sat_intercepted_frac",
+}
+"""signal name -> the step metric it reads (verl's names, as SAT's losses log them)"""
+PREFIX = "training/sat/auto_lag"
+BROADCAST_KEY, LAG_KEY, SIGNAL_KEY = f"{PREFIX}/broadcast", f"{PREFIX}/lag", f"{PREFIX}/signal"
+BY_STALENESS = "actor/sat_by_staleness"
+
+
+@dataclass
+class AutoLagConfig:
+    """``sat.auto_lag``: read only with ``sat.lag=auto``.
+
+    Args:
+        target: broadcast once the signal of the latest batch exceeds it (> 0).
+        min: never broadcast sooner than ``min`` optimizer steps after the last broadcast (>= 1).
+        max: always broadcast ``max`` steps after the last one (>= min): the staleness bound.
+        signal: ``dbar_pi`` | ``q`` | ``intercepted`` (``SIGNALS``).
+    """
+
+    target: float = 0.02
+    min: int = 1
+    max: int = 8
+    signal: str = "dbar_pi"
+
+    def __post_init__(self) -> None:
+        for name in ("min", "max"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"sat.auto_lag.{name} must be an integer >= 1, got {value!r}")
+        if self.min > self.max:
+            raise ValueError(f"sat.auto_lag.min={self.min} must be <= sat.auto_lag.max={self.max}")
+        target = self.target
+        if isinstance(target, bool) or not isinstance(target, int | float) or not math.isfinite(target) or target <= 0:
+            raise ValueError(f"sat.auto_lag.target must be a number > 0, got {target!r}")
+        if self.signal not in SIGNALS:
+            raise ValueError(f"sat.auto_lag.signal must be one of {sorted(SIGNALS)}, got {self.signal!r}")
+
+    @classmethod
+    def from_node(cls, node: Any) -> AutoLagConfig:
+        """Build from ``sat.auto_lag`` (a mapping or None); an unknown key is an error naming it."""
+        values = dict(node) if node is not None else {}
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ValueError(
+                f"unknown key(s) under sat.auto_lag: {', '.join('sat.auto_lag.' + k for k in unknown)}; "
+                f"known: {sorted(known)}"
+            )
+        return cls(**values)
+
+    @property
+    def key(self) -> str:
+        """The step metric the signal reads."""
+        return SIGNALS[self.signal]
+
+
+class AutoLag:
+    """The rule of the module docstring, one decision per optimizer step."""
+
+    def __init__(self, config: AutoLagConfig) -> None:
+        self.config = config
+        self.since = 0  # optimizer steps since the last broadcast
+        self.broadcasts = 0
+        self.force = False
+
+    def decide(self, signal: float | None) -> tuple[bool, int]:
+        """After an optimizer step: (broadcast now?, k = steps since the last broadcast, this one
+        included). A missing or non-finite signal counts as below target (only ``max`` triggers);
+        ``force_next`` (after a sentinel rollback) broadcasts regardless."""
+        self.since += 1
+        k, cfg = self.since, self.config
+        above = signal is not None and math.isfinite(signal) and signal > cfg.target
+        broadcast = self.force or (k >= cfg.min and (above or k >= cfg.max))
+        if broadcast:
+            self.since, self.force = 0, False
+            self.broadcasts += 1
+        return broadcast, k
+
+    def force_next(self) -> None:
+        """The next decision broadcasts (the trainer's weights changed under the rollout)."""
+        self.force = True
+
+    def step_metrics(self, broadcast: bool, k: int, signal: float | None) -> dict[str, float]:
+        """What each step logs: whether it broadcast, the lag it ran at (k) and the signal read."""
+        out = {BROADCAST_KEY: float(broadcast), LAG_KEY: float(k)}
+        if signal is not None:
+            out[SIGNAL_KEY] = float(signal)
+        return out
+
+
+def signal_of(metrics: Mapping[str, Any], config: AutoLagConfig) -> float | None:
+    """The signal's value in a step's metrics (None when the step did not log it)."""
+    value = metrics.get(config.key)
+    return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else None
+
+
+def suggest_targets(rows: Sequence[Mapping[str, Any]]) -> dict[int, float]:
+    """dbar_pi by staleness from a fixed-lag run's metrics: {s: mean over steps of
+    ``actor/sat_by_staleness/<s>/mismatch_abs_mean``}. ``target = D(s)`` broadcasts about when the
+    batch's mismatch reaches what s steps of staleness gave in that run (docs/async.md)."""
+    sums: dict[int, list[float]] = {}
+    for row in rows:
+        for key, value in row.items():
+            parts = key.split("/")
+            if key.startswith(BY_STALENESS + "/") and parts[-1] == "mismatch_abs_mean" and parts[-2].isdigit():
+                if isinstance(value, int | float) and math.isfinite(value):
+                    sums.setdefault(int(parts[-2]), []).append(float(value))
+    return {s: sum(v) / len(v) for s, v in sorted(sums.items())}
+
+
+def suggestion_line(rows: Sequence[Mapping[str, Any]]) -> str | None:
+    """The end-of-run line of a fixed-lag run: the dbar_pi targets its staleness levels suggest."""
+    table = suggest_targets(rows)
+    positive = {s: v for s, v in table.items() if s > 0 and v > 0}
+    if not positive:
+        return None
+    pairs = ", ".join(f"s={s}: {v:.3g}" for s, v in positive.items())
+    return (
+        f"[verl-sat] sat.lag=auto: dbar_pi by staleness in this run {pairs}; sat.auto_lag.target=D(s) "
+        f"broadcasts about when a batch is as far off as s steps of staleness made it here (docs/async.md)"
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# the hook on verl's v1 trainer (SATTrainerMixin)
+# ---------------------------------------------------------------------------------------------
+# verl's separate_async, per global step (one optimizer step under auto): step() -> _update_actor
+# (the step's metrics, the signal among them) -> save checkpoint -> on_step_end, which calls
+# standalone_checkpoint_manager.update_weights(global_steps) and logs what it returns with the
+# step. So the manager is wrapped: its update_weights runs only when the rule says so, and
+# returns this step's decision as metrics either way. The sync after loading a checkpoint
+# (on_init_end) runs before the wrap: a resumed run always starts from a broadcast.
+class GatedWeightSync:
+    """verl's checkpoint manager whose ``update_weights`` runs when ``AutoLag`` decides to."""
+
+    def __init__(self, manager: Any, gate: AutoLag, signal: Any) -> None:
+        self.manager, self.gate, self.signal = manager, gate, signal
+
+    def update_weights(self, global_steps: int, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        value = self.signal()
+        broadcast, k = self.gate.decide(value)
+        out = dict(self.manager.update_weights(global_steps, *args, **kwargs) or {}) if broadcast else {}
+        out.update(self.gate.step_metrics(broadcast, k, value))
+        return out
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.manager, name)
+
+
+class AutoLagTrainerMixin:
+    """``sat.lag=auto`` on verl's separate_async trainer (module docstring)."""
+
+    def _auto_lag(self) -> AutoLag | None:
+        if "_sat_auto_lag" not in self.__dict__:
+            sat = self.config.get("sat") or {}  # type: ignore[attr-defined]
+            auto = sat.get("lag") == AUTO
+            self._sat_auto_lag = AutoLag(AutoLagConfig.from_node(sat.get("auto_lag"))) if auto else None
+            self._sat_auto_signal: float | None = None
+        return self._sat_auto_lag
+
+    def _auto_lag_observe(self, metrics: Mapping[str, Any]) -> None:
+        """After the actor update: remember this step's signal."""
+        gate = self._auto_lag()
+        if gate is not None:
+            self._sat_auto_signal = signal_of(metrics, gate.config)
+
+    def _auto_lag_wrap_sync(self) -> None:
+        """Before verl's on_step_end: gate its weight sync (once)."""
+        gate = self._auto_lag()
+        manager = getattr(self, "standalone_checkpoint_manager", None)
+        if gate is not None and manager is not None and not isinstance(manager, GatedWeightSync):
+            self.standalone_checkpoint_manager = GatedWeightSync(manager, gate, lambda: self._sat_auto_signal)
+
+    def _auto_lag_after_rollback(self) -> dict[str, tuple[int, int]]:
+        """A sentinel rollback changed the weights under the rollout: broadcast at this step, and
+        halve ``max`` (not below ``min``), auto's form of the sentinel's halve_lag. {} without auto."""
+        gate = self._auto_lag()
+        if gate is None:
+            return {}
+        gate.force_next()
+        old = gate.config.max
+        new = max(gate.config.min, old // 2)
+        if new == old:
+            return {}
+        gate.config = AutoLagConfig(**{**gate.config.__dict__, "max": new})
+        return {"sat.auto_lag.max": (old, new)}
