@@ -132,8 +132,11 @@ class FakeManager:
 
 
 class FakeTrainer(AutoLagTrainerMixin):
-    def __init__(self, sat: dict) -> None:
-        self.config = {"sat": sat}
+    def __init__(self, sat: dict, test_freq: int = -1, total: int = 100) -> None:
+        from omegaconf import OmegaConf
+
+        self.config = OmegaConf.create({"sat": sat, "trainer": {"test_freq": test_freq}})
+        self.total_training_steps = total
         self.standalone_checkpoint_manager = FakeManager()
 
 
@@ -152,6 +155,16 @@ def test_the_trainer_syncs_only_on_the_steps_the_rule_picks():
     assert [row[LAG_KEY] for row in logged] == [1, 2, 1, 2, 3, 4, 1]
     assert logged[1]["sync/bytes"] == 1.0 and "sync/bytes" not in logged[0]  # verl's own sync metrics kept
     assert logged[0][SIGNAL_KEY] == 0.5
+
+
+def test_validation_steps_always_sync_so_validation_samples_the_trained_weights():
+    """verl validates after the step's sync at test_freq and at the last step, on the rollout."""
+    trainer = FakeTrainer({"lag": "auto", "auto_lag": {"target": 1e9, "min": 1, "max": 8}}, test_freq=3, total=7)
+    manager = trainer.standalone_checkpoint_manager
+    trainer._auto_lag_wrap_sync()
+    for step in range(1, 8):
+        trainer.standalone_checkpoint_manager.update_weights(step)
+    assert manager.synced == [3, 6, 7]  # the target is never met: only validation forces a sync
 
 
 def test_a_rollback_broadcasts_at_once_and_halves_max():

@@ -164,13 +164,17 @@ def suggestion_line(rows: Sequence[Mapping[str, Any]]) -> str | None:
 # returns this step's decision as metrics either way. The sync after loading a checkpoint
 # (on_init_end) runs before the wrap: a resumed run always starts from a broadcast.
 class GatedWeightSync:
-    """verl's checkpoint manager whose ``update_weights`` runs when ``AutoLag`` decides to."""
+    """verl's checkpoint manager whose ``update_weights`` runs when ``AutoLag`` decides to, and
+    always before a step ``must(global_steps)`` names (validation: it samples with the rollout)."""
 
-    def __init__(self, manager: Any, gate: AutoLag, signal: Any) -> None:
+    def __init__(self, manager: Any, gate: AutoLag, signal: Any, must: Any = None) -> None:
         self.manager, self.gate, self.signal = manager, gate, signal
+        self.must = must or (lambda global_steps: False)
 
     def update_weights(self, global_steps: int, *args: Any, **kwargs: Any) -> dict[str, Any]:
         value = self.signal()
+        if self.must(global_steps):
+            self.gate.force_next()
         broadcast, k = self.gate.decide(value)
         out = dict(self.manager.update_weights(global_steps, *args, **kwargs) or {}) if broadcast else {}
         out.update(self.gate.step_metrics(broadcast, k, value))
@@ -202,7 +206,17 @@ class AutoLagTrainerMixin:
         gate = self._auto_lag()
         manager = getattr(self, "standalone_checkpoint_manager", None)
         if gate is not None and manager is not None and not isinstance(manager, GatedWeightSync):
-            self.standalone_checkpoint_manager = GatedWeightSync(manager, gate, lambda: self._sat_auto_signal)
+            self.standalone_checkpoint_manager = GatedWeightSync(
+                manager, gate, lambda: self._sat_auto_signal, self._auto_lag_validates
+            )
+
+    def _auto_lag_validates(self, global_steps: int) -> bool:
+        """verl validates after this step's sync (``test_freq``, and the last step): the rollout
+        that samples the validation set must hold the trained weights, so the sync runs."""
+        trainer = self.config.trainer  # type: ignore[attr-defined]
+        test_freq = int(trainer.get("test_freq", -1) or -1)
+        last = global_steps >= int(getattr(self, "total_training_steps", 0) or 0) > 0
+        return test_freq > 0 and (last or global_steps % test_freq == 0)
 
     def _auto_lag_after_rollback(self) -> dict[str, tuple[int, int]]:
         """A sentinel rollback changed the weights under the rollout: broadcast at this step, and
