@@ -3,6 +3,7 @@
     python benchmarks/autolag_study.py run --out docs/study/autolag     # the pilot, then 40 runs
     python benchmarks/autolag_study.py summarize docs/study/autolag     # tables, CSV and figures again
     python benchmarks/autolag_study.py run --dry-run                    # the plan only
+    python benchmarks/autolag_study.py run --protocol docs/study_protocol_autolag2.md --out docs/study/autolag2
 
 Every run is one ``verl_sat.study_loop.StudyLoop`` of SAT-GSPO + R3 in the regime of
 docs/study_protocol.md; the arms differ only in when the weights are broadcast: every 1, 4 or 8
@@ -71,6 +72,7 @@ def confirmatory_specs(protocol: dict[str, Any], target: float) -> list[Spec]:
     auto = protocol["auto"]
     auto_settings = {**base, "auto_lag": True, "auto_target": target, "auto_min": auto["min"]}
     auto_settings["auto_signal"] = auto["signal"]
+    auto_settings["auto_fresh"] = bool(auto.get("fresh", False))  # the first protocol's rule: any batch triggers
     specs = []
     for seed in protocol["seeds"]:
         for lag in protocol["fixed_lags"]:
@@ -201,13 +203,15 @@ def summarize(out: Path, protocol: dict[str, Any]) -> list[dict[str, Any]]:
     lags = [k for s in stats if s["condition"] == AUTO for k in s["lags"]]
     histogram = {k: lags.count(k) for k in sorted(set(lags))}
     pilot = protocol["pilot"]
+    trigger = "a fresh batch only" if protocol["auto"].get("fresh") else "any batch"
     text = [
-        "# Mismatch-driven lag against fixed lags (docs/study_protocol_autolag.md)",
+        f"# Mismatch-driven lag against fixed lags ({meta.get('protocol_path', 'docs/study_protocol_autolag.md')})",
         "",
         f"Protocol commit `{meta.get('protocol_commit')}` (blob `{meta.get('protocol_blob')}`), assets "
         f"`{meta.get('assets_fingerprint')}`. SAT-GSPO + R3 in every arm; settings: "
         + ", ".join(f"{k}={v}" for k, v in sorted(protocol["settings"].items()))
-        + f". Auto: dbar_pi > target = {_f(target.get('target'), '.5f')} (the pilot's median dbar_pi at "
+        + f". Auto ({trigger} triggers): dbar_pi > target = {_f(target.get('target'), '.5f')} "
+        "(the pilot's median dbar_pi at "
         f"staleness {pilot['staleness']}, seed {pilot['seed']}, lag {pilot['lag']}), "
         f"lag in [{protocol['auto']['min']}, {protocol['auto']['max']}].",
         "",
@@ -297,9 +301,9 @@ def plot_trajectory(path: Path, specs: Sequence[Spec], runs: dict[str, list[dict
     return path
 
 
-def run(out: Path, assets: Path | None, jobs: int, dry_run: bool) -> int:
-    provenance: dict[str, Any] = dict(protocol_state(PROTOCOL))
-    protocol = read_protocol(PROTOCOL)
+def run(out: Path, assets: Path | None, jobs: int, dry_run: bool, protocol_path: Path = PROTOCOL) -> int:
+    provenance: dict[str, Any] = dict(protocol_state(protocol_path))
+    protocol = read_protocol(protocol_path)
     pilot = pilot_spec(protocol)
     pilot.config()
     print(f"[autolag] pilot {pilot.name}; then {len(protocol['seeds'])} seeds x {len(protocol['fixed_lags']) + 1} arms")
@@ -330,13 +334,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--jobs", type=int, default=2)
     parser.add_argument("--assets", type=Path)
     parser.add_argument("--dry-run", action="store_true")
+    parser.add_argument("--protocol", type=Path, default=PROTOCOL, help="the committed protocol file")
     args = parser.parse_args(argv)
+    protocol_path = args.protocol.resolve()
     if args.phase == "summarize":
         out = (args.dir or args.out).resolve()
-        summarize(out, read_protocol(PROTOCOL))
+        summarize(out, read_protocol(protocol_path))
         print((out / "autolag.md").read_text())
         return 0
-    return run(args.out.resolve(), args.assets, args.jobs, args.dry_run)
+    return run(args.out.resolve(), args.assets, args.jobs, args.dry_run, protocol_path)
 
 
 if __name__ == "__main__":

@@ -54,6 +54,31 @@ def test_every_gap_between_broadcasts_lies_in_min_max_and_only_the_signal_shorte
         assert shortened == 0 and gate.broadcasts == len(values) // hi  # a fixed lag of max
 
 
+def test_a_batch_drawn_before_the_last_broadcast_cannot_trigger_one():
+    gate = AutoLag(AutoLagConfig(target=0.1, min=1, max=4))
+    assert gate.decide(0.9, fresh=False) == (False, 1)  # it speaks of weights the rollout no longer holds
+    assert gate.decide(0.9, fresh=True) == (True, 2)
+    old = AutoLag(AutoLagConfig(target=0.1, min=1, max=4, fresh=False))  # the first study's rule
+    assert old.decide(0.9, fresh=False) == (True, 1)
+
+
+def test_the_trainer_reads_freshness_from_verls_version_tags():
+    """The rollout holds the version of the last sync (a global step); a batch whose newest
+    ``max_global_steps`` tag is older was drawn before it and cannot trigger."""
+    trainer = FakeTrainer({"lag": "auto", "auto_lag": {"target": 0.1, "min": 1, "max": 8}})
+    trainer.global_steps = 1  # fit() has advanced to step 1; on_init_end synced version 0
+    manager = trainer.standalone_checkpoint_manager
+    trainer._auto_lag_wrap_sync()
+    sync = trainer.standalone_checkpoint_manager
+    for step, newest in [(1, 0), (2, 0), (3, 1), (4, 1), (5, 3)]:  # (global step, the batch's newest version)
+        tags = [{"max_global_steps": newest - 1}, {"max_global_steps": newest}]
+        trainer._auto_lag_observe({"actor/mismatch_abs_mean": 0.5}, tags)
+        sync.update_weights(step)
+    # 1: drawn by 0, the rollout's: sync (rollout now 1); 2: drawn by 0 < 1: none; 3: drawn by 1: sync
+    # (rollout 3); 4: drawn by 1 < 3: none; 5: drawn by 3: sync
+    assert manager.synced == [1, 3, 5]
+
+
 def test_a_forced_broadcast_ignores_min():
     gate = AutoLag(AutoLagConfig(target=0.5, min=3, max=5))
     assert gate.decide(0.9) == (False, 1)  # above target, below min
@@ -114,7 +139,7 @@ def test_prepare_records_the_rule_and_keeps_what_the_user_set(assets, tmp_path, 
     sat, run_dir = main.prepare(cfg)
     record = json.loads((run_dir / "run.json").read_text())
     assert record["lag"] == "auto"
-    assert record["auto_lag"] == {"target": 0.05, "min": 1, "max": 8, "signal": "q"}
+    assert record["auto_lag"] == {"target": 0.05, "min": 1, "max": 8, "signal": "q", "fresh": True}
     assert cfg.trainer.v1.separate_async.parameter_sync_step == 1
     assert cfg.data.train_batch_size == cfg.actor_rollout_ref.actor.ppo_mini_batch_size
 
@@ -234,10 +259,20 @@ def test_the_study_loop_broadcasts_by_the_rule_and_keeps_the_staleness_bound(mod
     staleness = [r["training/sat/staleness_steps/max"] for r in never]
     assert staleness == [r["training/sat/staleness_steps/max"] for r in fixed]  # a target never met: lag max
     assert [r[BROADCAST_KEY] for r in never] == [r[BROADCAST_KEY] for r in fixed] == [0, 0, 1] * 3
+    # any drift triggers, but only on a batch the rollout's current weights drew: with one batch in
+    # flight the one after a broadcast was drawn before it, so the broadcasts come every other step
     eager = StudyLoop(LoopConfig(**base, lag=3, auto_lag=True, auto_target=1e-9), *model_and_tokenizer).run()
-    assert all(r[BROADCAST_KEY] == 1.0 for r in eager[1:])  # any drift broadcasts: lag 1
-    assert [r["training/sat/staleness_steps/max"] for r in eager][3:] == [1] * 6  # one step off, as lag 1
-    assert all(r["training/sat/staleness_steps/max"] <= 3 for r in never + eager)
+    pattern = [r[BROADCAST_KEY] for r in eager]
+    assert all(a + b == 1.0 for a, b in zip(pattern[2:], pattern[3:], strict=False)), pattern
+    assert all(r["training/sat/staleness_steps/max"] <= 2 for r in eager)
+    # the first study's rule (any batch triggers) broadcasts after every step
+    loose = StudyLoop(
+        LoopConfig(**base, lag=3, auto_lag=True, auto_target=1e-9, auto_fresh=False), *model_and_tokenizer
+    )
+    loose_rows = loose.run()
+    assert all(r[BROADCAST_KEY] == 1.0 for r in loose_rows[1:])
+    assert [r["training/sat/staleness_steps/max"] for r in loose_rows][3:] == [1] * 6  # one step off, as lag 1
+    assert all(r["training/sat/staleness_steps/max"] <= 3 for r in never + eager + loose_rows)
     with pytest.raises(ValueError, match=r"sat.auto_lag.min=4 must be <= sat.auto_lag.max=3"):
         LoopConfig(**base, lag=3, auto_lag=True, auto_min=4)
 

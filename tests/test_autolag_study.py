@@ -36,6 +36,18 @@ def test_the_protocol_fixes_fresh_seeds_and_the_four_arms(autolag):
     assert all(c.routing_replay == "R3" for c in (s.config() for s in specs))
 
 
+def test_the_second_protocol_changes_only_the_rule_and_the_seeds(autolag):
+    first = autolag.read_protocol(autolag.PROTOCOL)
+    second = autolag.read_protocol(REPO / "docs" / "study_protocol_autolag2.md")
+    assert second["auto"] == {**first["auto"], "fresh": True}
+    assert not set(second["seeds"]) & {*first["seeds"], first["pilot"]["seed"]} and len(second["seeds"]) >= 8
+    assert {k: v for k, v in second.items() if k not in ("auto", "seeds")} == {
+        k: v for k, v in first.items() if k not in ("auto", "seeds")
+    }
+    assert all(s.config().auto_fresh for s in autolag.confirmatory_specs(second, 0.03) if s.tag == "auto")
+    assert not any(s.config().auto_fresh for s in autolag.confirmatory_specs(first, 0.03) if s.tag == "auto")
+
+
 def test_the_target_is_the_pilots_median_dbar_pi_at_the_staleness(autolag):
     rows = [
         {"training/sat/staleness_steps/max": s, "actor/mismatch_abs_mean": d}

@@ -367,7 +367,7 @@ class SATTrainerMixin(SentinelTrainerMixin, AutoLagTrainerMixin, SampleAccountin
 
     def _update_actor(self, batch: Any, metrics: dict) -> Any:
         batch = super()._update_actor(self._put_staleness(batch, metrics), metrics)  # type: ignore[misc]
-        self._auto_lag_observe(metrics)  # sat.lag=auto: this step's signal (verl_sat.auto_lag)
+        self._auto_lag_observe(metrics, batch.tags)  # sat.lag=auto: this step's signal (verl_sat.auto_lag)
         return batch
 
     def _put_staleness(self, batch: Any, metrics: dict) -> Any:

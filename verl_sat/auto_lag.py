@@ -6,7 +6,13 @@ pi_theta on the batch it just trained. ``auto`` broadcasts on that measurement. 
 step j, with k the optimizer steps since the last broadcast (k = 1 right after one) and s_j the
 chosen signal of step j's batch:
 
-    broadcast after step j  <=>  k >= min  and  (s_j > target  or  k >= max)
+    broadcast after step j  <=>  k >= min  and  (s_j > target and fresh_j  or  k >= max)
+
+fresh_j: step j's batch was drawn by the rollout's current weights (its newest weight version is
+that of the last broadcast). With a batch in flight, the step right after a broadcast still
+trains on a batch drawn before it, whose mismatch speaks of the weights the rollout no longer
+holds; counting it would broadcast again at once (``fresh=false``, the rule of the first auto-lag
+study, did: 41% of its broadcasts came one step after the previous one; docs/study.md).
 
 signals (all logged by SAT's losses every step, SPEC §2):
     dbar_pi      = mean over the batch's tokens of |log pi_theta - log mu|   (default; paper Eq. 52)
@@ -48,12 +54,15 @@ class AutoLagConfig:
         min: never broadcast sooner than ``min`` optimizer steps after the last broadcast (>= 1).
         max: always broadcast ``max`` steps after the last one (>= min): the staleness bound.
         signal: ``dbar_pi`` | ``q`` | ``intercepted`` (``SIGNALS``).
+        fresh: only a batch drawn by the rollout's current weights can trigger (module docstring);
+            false: any batch (the first auto-lag study's rule).
     """
 
     target: float = 0.02
     min: int = 1
     max: int = 8
     signal: str = "dbar_pi"
+    fresh: bool = True
 
     def __post_init__(self) -> None:
         for name in ("min", "max"):
@@ -67,6 +76,8 @@ class AutoLagConfig:
             raise ValueError(f"sat.auto_lag.target must be a number > 0, got {target!r}")
         if self.signal not in SIGNALS:
             raise ValueError(f"sat.auto_lag.signal must be one of {sorted(SIGNALS)}, got {self.signal!r}")
+        if not isinstance(self.fresh, bool):
+            raise ValueError(f"sat.auto_lag.fresh must be true or false, got {self.fresh!r}")
 
     @classmethod
     def from_node(cls, node: Any) -> AutoLagConfig:
@@ -96,13 +107,15 @@ class AutoLag:
         self.broadcasts = 0
         self.force = False
 
-    def decide(self, signal: float | None) -> tuple[bool, int]:
+    def decide(self, signal: float | None, fresh: bool = True) -> tuple[bool, int]:
         """After an optimizer step: (broadcast now?, k = steps since the last broadcast, this one
-        included). A missing or non-finite signal counts as below target (only ``max`` triggers);
+        included). ``fresh``: the step's batch was drawn by the rollout's current weights. A
+        missing or non-finite signal counts as below target (only ``max`` triggers);
         ``force_next`` (after a sentinel rollback) broadcasts regardless."""
         self.since += 1
         k, cfg = self.since, self.config
         above = signal is not None and math.isfinite(signal) and signal > cfg.target
+        above = above and (fresh or not cfg.fresh)
         broadcast = self.force or (k >= cfg.min and (above or k >= cfg.max))
         if broadcast:
             self.since, self.force = 0, False
@@ -167,15 +180,19 @@ class GatedWeightSync:
     """verl's checkpoint manager whose ``update_weights`` runs when ``AutoLag`` decides to, and
     always before a step ``must(global_steps)`` names (validation: it samples with the rollout)."""
 
-    def __init__(self, manager: Any, gate: AutoLag, signal: Any, must: Any = None) -> None:
+    def __init__(self, manager: Any, gate: AutoLag, signal: Any, must: Any = None, version: int = 0) -> None:
         self.manager, self.gate, self.signal = manager, gate, signal
         self.must = must or (lambda global_steps: False)
+        self.version = version  # the rollout's weight version: the global step of the last sync
 
     def update_weights(self, global_steps: int, *args: Any, **kwargs: Any) -> dict[str, Any]:
-        value = self.signal()
+        value, batch_version = self.signal()
         if self.must(global_steps):
             self.gate.force_next()
-        broadcast, k = self.gate.decide(value)
+        fresh = batch_version is None or batch_version >= self.version
+        broadcast, k = self.gate.decide(value, fresh)
+        if broadcast:
+            self.version = global_steps
         out = dict(self.manager.update_weights(global_steps, *args, **kwargs) or {}) if broadcast else {}
         out.update(self.gate.step_metrics(broadcast, k, value))
         return out
@@ -192,22 +209,26 @@ class AutoLagTrainerMixin:
             sat = self.config.get("sat") or {}  # type: ignore[attr-defined]
             auto = sat.get("lag") == AUTO
             self._sat_auto_lag = AutoLag(AutoLagConfig.from_node(sat.get("auto_lag"))) if auto else None
-            self._sat_auto_signal: float | None = None
+            self._sat_auto_signal: tuple[float | None, int | None] = (None, None)
         return self._sat_auto_lag
 
-    def _auto_lag_observe(self, metrics: Mapping[str, Any]) -> None:
-        """After the actor update: remember this step's signal."""
+    def _auto_lag_observe(self, metrics: Mapping[str, Any], tags: Sequence[Mapping[str, Any]] = ()) -> None:
+        """After the actor update: remember this step's signal and its batch's newest weight version
+        (verl's ``max_global_steps`` tags; None without them, counted as fresh)."""
         gate = self._auto_lag()
         if gate is not None:
-            self._sat_auto_signal = signal_of(metrics, gate.config)
+            versions = [int(t["max_global_steps"]) for t in tags if "max_global_steps" in t]
+            self._sat_auto_signal = (signal_of(metrics, gate.config), max(versions) if versions else None)
 
     def _auto_lag_wrap_sync(self) -> None:
         """Before verl's on_step_end: gate its weight sync (once)."""
         gate = self._auto_lag()
         manager = getattr(self, "standalone_checkpoint_manager", None)
         if gate is not None and manager is not None and not isinstance(manager, GatedWeightSync):
+            # the last sync was on_init_end's, before fit() advanced global_steps to this step
+            version = int(getattr(self, "global_steps", 1)) - 1
             self.standalone_checkpoint_manager = GatedWeightSync(
-                manager, gate, lambda: self._sat_auto_signal, self._auto_lag_validates
+                manager, gate, lambda: self._sat_auto_signal, self._auto_lag_validates, version
             )
 
     def _auto_lag_validates(self, global_steps: int) -> bool:

@@ -86,6 +86,8 @@ class LoopConfig:
     auto_target: float = 0.02
     auto_min: int = 1
     auto_signal: str = "dbar_pi"
+    auto_fresh: bool = True
+    """only a batch drawn by the rollout's current weights can trigger (AutoLagConfig.fresh)"""
     staleness: str = "trainer"
     """trainer: one batch in flight, staleness in [1, n] as verl's separate_async | legacy: [0, n - 1]"""
     steps: int = 200
@@ -155,7 +157,9 @@ class LoopConfig:
         """The trainer's ``AutoLagConfig`` of this loop's auto_* fields (``lag`` is its max)."""
         from verl_sat.auto_lag import AutoLagConfig
 
-        return AutoLagConfig(target=self.auto_target, min=self.auto_min, max=self.lag, signal=self.auto_signal)
+        return AutoLagConfig(
+            target=self.auto_target, min=self.auto_min, max=self.lag, signal=self.auto_signal, fresh=self.auto_fresh
+        )
 
 
 @dataclass
@@ -528,7 +532,7 @@ class StudyLoop:
                         metrics[BROADCAST_KEY] = float(broadcast)
                     else:  # sat.lag=auto: the trainer's rule on this step's signal
                         signal = signal_of(metrics, gate.config)
-                        broadcast, k = gate.decide(signal)
+                        broadcast, k = gate.decide(signal, fresh=batch.version >= self.version)
                         metrics.update(gate.step_metrics(broadcast, k, signal))
                     if broadcast:
                         self.sync_weights(step + 1)
