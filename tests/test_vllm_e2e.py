@@ -11,9 +11,16 @@ start-up (three processes importing vLLM), about 1.5 min more than the HF rollou
 from __future__ import annotations
 
 import json
+import os
+import signal
+import time
 
 import pytest
+from test_faults_e2e import command, logged_steps, start, wait_for
 from test_main_e2e import assets, check_sat_run, run_main  # noqa: F401  (the session fixture and the launcher)
+
+from verl_sat.accounting import read_jsonl
+from verl_sat.rollout.supervisor import EXIT_PROCESS_DIED
 
 pytestmark = pytest.mark.e2e
 
@@ -51,17 +58,45 @@ def test_vllm_sync_bf16_rollout_decoupled(assets, tmp_path):  # noqa: F811
     assert "vLLMHttpServer" in (tmp_path / "run" / "console.log").read_text()  # verl's own server ran
 
 
-def test_vllm_separate_async_lag2_with_r3(assets, tmp_path):  # noqa: F811
+def test_vllm_separate_async_lag2_with_r3_then_its_engine_dies(assets, tmp_path):  # noqa: F811
     """separate_async at lag 2 with R3: routes captured by vLLM's CPU MoE kernel
-    (verl_sat.vllm_cpu.capture_cpu_moe_routes) reach the FSDP replay engine through verl's agent loop."""
-    rows, stdout = run_main(assets, tmp_path / "run", VLLM, "sat.routing_replay=R3")
-    check_sat_run(rows, lag=2)
-    assert max(r["training/sat/staleness_steps/max"] for r in rows) == 2  # the lag is realised
-    assert "[verl-sat] routing replay R3: replaying recorded routes" in stdout
-    for row in rows:
+    (verl_sat.vllm_cpu.capture_cpu_moe_routes) reach the FSDP replay engine through verl's agent loop.
+    After two steps, vLLM's engine core (registered through verl-sat's vLLM plugin,
+    ``register_vllm_process``) is killed, its server actor left up so that Ray sees nothing: the job
+    exits 4 within 60 s with one line naming the replica and the step, recorded in run.json
+    (docs/faults.md). One launch for both: vLLM's start-up is most of either."""
+    run_dir = tmp_path / "run"
+    cmd = command(assets, run_dir, VLLM, "sat.routing_replay=R3", "trainer.total_training_steps=8")
+    job = start(cmd, tmp_path, tmp_path / "job.log")
+    try:
+        wait_for(lambda: len(logged_steps(run_dir)) >= 2, job)
+        entries = {e["name"]: e for e in (json.loads(p.read_text()) for p in (run_dir / "processes").glob("rollout_*"))}
+        assert sorted(entries) == ["vllm0", "vllm0.EngineCore"], entries  # no helper process among them
+        engine = entries["vllm0.EngineCore"]
+        assert engine["pid"] != entries["vllm0"]["pid"]
+        os.kill(engine["pid"], signal.SIGKILL)
+        killed_at = time.monotonic()
+        rc = job.wait(timeout=120)
+    finally:
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)  # only the job this test started
+    assert time.monotonic() - killed_at < 60
+    console = (tmp_path / "job.log").read_text()
+    rows = [{"step": r["step"], **r["data"]} for r in read_jsonl(run_dir / "metrics.jsonl")]
+    check_sat_run(rows[:2], lag=2)
+    assert max(r["training/sat/staleness_steps/max"] for r in rows[:2]) == 2  # the lag is realised
+    assert "[verl-sat] routing replay R3: replaying recorded routes" in console
+    for row in rows[:2]:
         assert row["actor/mismatch_abs_mean"] < FP32_NOISE
         # every real token of every MoE layer got vLLM's route but the last of each sequence,
         # which never passes through the model in generation
         assert 0.9 < row["actor/routing_replay/replayed_frac"] < 1.0
         # the trainer's own top-k mostly agrees with the rollout's (same fp32 weights up to lag 2)
         assert 0.5 < row["actor/routing_replay/topk_agreement"] <= 1.0
+    # the dead engine
+    assert rc == EXIT_PROCESS_DIED, console[-4000:]
+    errors = [line for line in console.splitlines() if "[verl-sat] error: rollout replica vllm0.EngineCore" in line]
+    assert len(errors) == 1 and f"(pid {engine['pid']}) died during global step" in errors[0], console[-4000:]
+    fault = json.loads((run_dir / "run.json").read_text())["fault"]
+    assert fault["kind"] == "rollout replica" and fault["pid"] == engine["pid"]
+    assert logged_steps(run_dir)[-1] < 8  # stopped, not finished
