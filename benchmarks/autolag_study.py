@@ -42,7 +42,7 @@ from sat_study import (  # noqa: E402  (the run spec, provenance and per-run sta
 from staleness_study import smooth  # noqa: E402
 
 from verl_sat.auto_lag import BROADCAST_KEY, LAG_KEY  # noqa: E402
-from verl_sat.study_stats import paired_t_interval, permutation_p, wilcoxon_signed_rank  # noqa: E402
+from verl_sat.study_stats import paired_comparison, paired_t_interval  # noqa: E402
 
 PROTOCOL = REPO / "docs" / "study_protocol_autolag.md"
 AUTO, PILOT = "auto", "pilot"
@@ -103,27 +103,13 @@ def autolag_stats(spec: Spec, rows: Sequence[dict[str, Any]], protocol: dict[str
 
 
 def paired_conditions(stats: Sequence[dict[str, Any]], a: str, b: str, key: str) -> dict[str, Any] | None:
-    """Per-seed differences a - b (the arms of seed k share data and sampling): mean, paired t 95%
-    interval, exact Wilcoxon and permutation p."""
-    cell = {(s["condition"], s["seed"]): s[key] for s in stats if s.get(key) is not None}
-    seeds = sorted(k for c, k in cell if c == a and (b, k) in cell)
-    if len(seeds) < 2:
-        return None
-    diffs = [cell[(a, k)] - cell[(b, k)] for k in seeds]
-    mean, lo, hi = paired_t_interval(diffs)
-    return {
-        "a": a,
-        "b": b,
-        "metric": key,
-        "seeds": len(seeds),
-        "a_mean": sum(cell[(a, k)] for k in seeds) / len(seeds),
-        "b_mean": sum(cell[(b, k)] for k in seeds) / len(seeds),
-        "diff": mean,
-        "ci": (lo, hi),
-        "wilcoxon_p": wilcoxon_signed_rank(diffs)[1],
-        "permutation_p": permutation_p(diffs),
-        "diffs": diffs,
-    }
+    """Per-seed differences of arm a - arm b (``verl_sat.study_stats.paired_comparison``)."""
+
+    def cell(arm: str) -> dict[int, float]:
+        return {s["seed"]: s[key] for s in stats if s["condition"] == arm and s.get(key) is not None}
+
+    result = paired_comparison(cell(a), cell(b))
+    return None if result is None else {"a": a, "b": b, "metric": key, **result}
 
 
 def reading(result: dict[str, Any]) -> str:

@@ -50,10 +50,9 @@ from verl_sat.study_loop import HELDOUT_GREEDY_KEY, HELDOUT_KEY, METRICS_FILE, L
 from verl_sat.study_stats import (  # noqa: E402
     cpu_sentinel_config,
     final_mean,
+    paired_comparison,
     paired_t_interval,
-    permutation_p,
     replay_sentinel,
-    wilcoxon_signed_rank,
 )
 
 REPO = Path(__file__).resolve().parents[1]
@@ -295,30 +294,20 @@ def assets_fingerprint(assets: Path) -> str:
 
 # -- analysis -----------------------------------------------------------------------------------
 def paired(stats: Sequence[dict[str, Any]], arm: str, ref: str, lag: int, key: str, tag: str = "") -> dict | None:
-    """Per-seed differences arm - ref at ``lag`` (seed k of both arms shares data and sampling):
-    mean, paired t 95% interval, exact Wilcoxon and permutation p."""
-    cell = {
-        (s["arm"], s["seed"]): s[key] for s in stats if s["lag"] == lag and s["tag"] == tag and s.get(key) is not None
-    }
-    seeds = sorted(k for a, k in cell if a == arm and (ref, k) in cell)
-    if len(seeds) < 2:
+    """Per-seed differences arm - ref at ``lag`` (``verl_sat.study_stats.paired_comparison``)."""
+
+    def cell(name: str) -> dict[int, float]:
+        return {
+            s["seed"]: s[key]
+            for s in stats
+            if s["arm"] == name and s["lag"] == lag and s["tag"] == tag and s.get(key) is not None
+        }
+
+    result = paired_comparison(cell(arm), cell(ref))
+    if result is None:
         return None
-    diffs = [cell[(arm, k)] - cell[(ref, k)] for k in seeds]
-    mean, lo, hi = paired_t_interval(diffs)
-    return {
-        "arm": arm,
-        "reference": ref,
-        "lag": lag,
-        "metric": key,
-        "seeds": len(seeds),
-        "arm_mean": sum(cell[(arm, k)] for k in seeds) / len(seeds),
-        "ref_mean": sum(cell[(ref, k)] for k in seeds) / len(seeds),
-        "diff": mean,
-        "ci": (lo, hi),
-        "wilcoxon_p": wilcoxon_signed_rank(diffs)[1],
-        "permutation_p": permutation_p(diffs) if len(diffs) <= 20 else None,
-        "diffs": diffs,
-    }
+    result["arm_mean"], result["ref_mean"] = result.pop("a_mean"), result.pop("b_mean")
+    return {"arm": arm, "reference": ref, "lag": lag, "metric": key, **result}
 
 
 def format_paired(rows: Sequence[dict[str, Any]]) -> list[str]:

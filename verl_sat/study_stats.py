@@ -176,3 +176,24 @@ def wilcoxon_signed_rank(diffs: Sequence[float]) -> tuple[float, float]:
 def permutation_p(diffs: Sequence[float]) -> float:
     """Exact two-sided p of the paired permutation (sign-flip) test on the mean difference."""
     return _sign_flip_p(list(diffs), lambda v: sum(v) / len(v))
+
+
+def paired_comparison(a: Mapping[Any, float], b: Mapping[Any, float]) -> dict[str, Any] | None:
+    """Per-seed differences a - b over the seeds both hold (seed k of both shares data and
+    sampling): mean, paired t 95% interval, exact Wilcoxon and (up to 20 seeds) permutation p;
+    None with fewer than 2 shared seeds."""
+    seeds = sorted(k for k in a if k in b)
+    if len(seeds) < 2:
+        return None
+    diffs = [a[k] - b[k] for k in seeds]
+    mean, lo, hi = paired_t_interval(diffs)
+    return {
+        "seeds": len(seeds),
+        "a_mean": sum(a[k] for k in seeds) / len(seeds),
+        "b_mean": sum(b[k] for k in seeds) / len(seeds),
+        "diff": mean,
+        "ci": (lo, hi),
+        "wilcoxon_p": wilcoxon_signed_rank(diffs)[1],
+        "permutation_p": permutation_p(diffs) if len(diffs) <= 20 else None,
+        "diffs": diffs,
+    }
