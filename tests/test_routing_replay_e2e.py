@@ -10,8 +10,17 @@ staleness beyond one step, so the mismatch is the rollout/trainer one.
 
 from __future__ import annotations
 
+import json
+import os
+import signal
+import time
+
 import pytest
+from test_faults_e2e import command, logged_steps, start, wait_for
 from test_main_e2e import assets, check_sat_run, run_main  # noqa: F401  (the session fixture and the launcher)
+
+from verl_sat.accounting import read_jsonl
+from verl_sat.rollout.supervisor import EXIT_PROCESS_DIED
 
 pytestmark = pytest.mark.e2e
 
@@ -24,19 +33,59 @@ def mean_mismatch(rows: list[dict]) -> float:
     return sum(r["actor/mismatch_abs_mean"] for r in rows) / len(rows)
 
 
-def test_r3_lowers_the_rollout_trainer_mismatch(assets, tmp_path):  # noqa: F811
-    """One R3 run under router noise: the trainer's own top-k differs from the rollout's on many
-    tokens (actor/routing_replay/topk_agreement, measured before replay), yet dbar_pi is near 0.
-    The same noise without replaying the rollout's routes (the R2 test below) leaves it > 0.1."""
-    r3, stdout = run_main(assets, tmp_path / "r3", NOISE, *SYNC, "sat.routing_replay=R3")
-    assert [r["step"] for r in r3] == [1, 2]
-    print(f"dbar_pi with R3 {mean_mismatch(r3):.4f}")
-    assert mean_mismatch(r3) < R3_CEILING
-    for row in r3:
+def test_r3_on_two_data_parallel_ranks_then_a_trainer_worker_dies(assets, tmp_path):  # noqa: F811
+    """One launch, three checks (CI time: each launch is ~1 min of start-up).
+
+    1. R3 under router noise, sync, two data-parallel trainer ranks, one response per micro-batch:
+       the trainer's own top-k differs from the rollout's on many tokens
+       (actor/routing_replay/topk_agreement, measured before replay), yet dbar_pi is near 0; the same
+       noise without replaying the rollout's routes (the R2 test below) leaves it > 0.1.
+    2. The step's q is all-reduced across the ranks (verl_sat.quantile) inside verl's FSDP engine:
+       the step's exact gate rate over both ranks' tokens stays near 1 - alpha although each
+       micro-batch holds one response.
+    3. After step 2, trainer rank 1 (verl's actor, registered by the SAT worker's init_model) is
+       killed by its registered pid: the job never hangs and never exits 0; it exits 4 within 60 s
+       with one line naming the worker and the step, and what it lost is in run.json.
+    """
+    run_dir = tmp_path / "r3"
+    dp2 = ("trainer.n_gpus_per_node=2", "ray_kwargs.ray_init.num_gpus=2")
+    dp2 += ("actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=1",)
+    cmd = command(assets, run_dir, NOISE, *SYNC, "sat.routing_replay=R3", *dp2, "trainer.total_training_steps=8")
+    record = run_dir / "processes" / "trainer_worker_rank1.json"
+    job = start(cmd, tmp_path, tmp_path / "job.log")
+    try:
+        wait_for(lambda: len(logged_steps(run_dir)) >= 2 and record.is_file(), job)
+        worker = json.loads(record.read_text())
+        assert worker["pid"] not in (job.pid, os.getpid())
+        os.kill(worker["pid"], signal.SIGKILL)
+        killed_at = time.monotonic()
+        rc = job.wait(timeout=120)
+    finally:
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)  # only the job this test started
+    assert time.monotonic() - killed_at < 60
+    console = (tmp_path / "job.log").read_text()
+    rows = [{"step": r["step"], **r["data"]} for r in read_jsonl(run_dir / "metrics.jsonl")][:2]
+    # 1. R3
+    check_sat_run(rows, lag=1)
+    print(f"dbar_pi with R3 {mean_mismatch(rows):.4f}")
+    assert mean_mismatch(rows) < R3_CEILING
+    for row in rows:
         assert row["actor/routing_replay/topk_agreement"] < 0.9  # the noise flipped routes
         assert row["actor/routing_replay/replayed_frac"] > 0.9  # all but each sequence's last token
-        assert row["actor/sat_old_vs_rollout_logprob_gap"] == 0.0  # ratio still against mu
-    assert "[verl-sat] routing replay R3: replaying recorded routes" in stdout
+    assert "[verl-sat] routing replay R3: replaying recorded routes" in console
+    # 2. two ranks, on-policy, the step's q
+    for row in rows:
+        assert row["training/sat/staleness_steps/max"] == 0  # sync: fresh weights
+        assert 0.04 <= row["actor/sat_gate_rate"] <= 0.1 + 1e-9  # the step's exact rate over both ranks
+        assert row["actor/sat_seqs_per_micro_batch"] == 1.0 and row["actor/sat_score_drift"] == 0.0
+    # 3. the dead trainer worker
+    assert rc == EXIT_PROCESS_DIED, console[-4000:]
+    errors = [line for line in console.splitlines() if "[verl-sat] error: trainer worker rank1" in line]
+    assert len(errors) == 1 and f"(pid {worker['pid']}) died during global step" in errors[0], console[-4000:]
+    fault = json.loads((run_dir / "run.json").read_text())["fault"]
+    assert fault["kind"] == "trainer worker" and fault["pid"] == worker["pid"]
+    assert logged_steps(run_dir)[-1] < 8  # stopped, not finished
 
 
 def test_r2_records_in_compute_log_prob_and_replays_in_the_update(assets, tmp_path):  # noqa: F811
