@@ -10,12 +10,14 @@ tests/test_vllm_e2e.py (its R3 launch).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -51,6 +53,33 @@ def wait_for(predicate, proc: subprocess.Popen, timeout: float = TIMEOUT_S) -> N
         assert proc.poll() is None, f"the job ended (rc {proc.returncode}) before the awaited state"
         assert time.monotonic() < deadline, "timed out"
         time.sleep(0.5)
+
+
+@contextlib.contextmanager
+def running(cmd: list[str], cwd: Path, log: Path) -> Iterator[subprocess.Popen]:
+    """``start`` the job; on the way out, kill its process group if it is still running (only the
+    job this test started), so a failed assertion never leaves a job behind."""
+    job = start(cmd, cwd, log)
+    try:
+        yield job
+    finally:
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)
+
+
+def kill_and_wait(job: subprocess.Popen, pid: int, timeout: float = 120) -> tuple[int, float]:
+    """SIGKILL one process the job registered; the job's exit status and the seconds it took to exit."""
+    os.kill(pid, signal.SIGKILL)
+    killed_at = time.monotonic()
+    rc = job.wait(timeout=timeout)
+    return rc, time.monotonic() - killed_at
+
+
+def one_error_line(console: str, name: str, pid: int) -> str:
+    """The one ``[verl-sat] error:`` line naming the dead process ``name`` and its pid."""
+    errors = [line for line in console.splitlines() if f"[verl-sat] error: {name}" in line]
+    assert len(errors) == 1 and f"(pid {pid}) died during global step" in errors[0], console[-4000:]
+    return errors[0]
 
 
 def logged_steps(run_dir: Path) -> list[int]:
@@ -116,6 +145,8 @@ def test_rollback_undoes_a_transient_fault_and_a_persistent_one_ends_the_run(cac
     assert record["sentinel"]["verdict"]["collapsed"] is True
     samples = record["samples"]
     assert samples["steps"] == last and samples["repeated"] == []
+    # what the stop left untrained is still in TransferQueue, counted, not lost or unknown
+    assert samples["in_flight_at_end"] > 0 and samples["lost_in_flight"] == []
 
 
 def test_killed_job_resumes_and_a_dead_rollout_server_stops_the_job(cached_default_assets, tmp_path):
@@ -138,23 +169,20 @@ def test_killed_job_resumes_and_a_dead_rollout_server_stops_the_job(cached_defau
         "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=1",
     )
     # attempt 1: killed like a pre-empted node once step 2's checkpoint is complete and step 3 logged
-    first = start(cmd, tmp_path, tmp_path / "a1.log")
-    wait_for(lambda: read_tracker(run_dir / "checkpoints") == 2 and 3 in logged_steps(run_dir), first)
-    os.killpg(first.pid, signal.SIGKILL)
-    first.wait(timeout=60)
+    with running(cmd, tmp_path, tmp_path / "a1.log") as first:
+        wait_for(lambda: read_tracker(run_dir / "checkpoints") == 2 and 3 in logged_steps(run_dir), first)
+        os.killpg(first.pid, signal.SIGKILL)
+        first.wait(timeout=60)
     # attempt 2: resumes from 2; its rollout server dies once step 4's checkpoint is written
-    second = start(cmd, tmp_path, tmp_path / "a2.log")
-    wait_for(lambda: read_tracker(run_dir / "checkpoints") == 4 and 5 in logged_steps(run_dir), second)
-    (server,) = [json.loads(p.read_text()) for p in (run_dir / "processes").glob("rollout_replica_*.json")]
-    os.kill(server["pid"], signal.SIGKILL)
-    killed_at = time.monotonic()
-    rc = second.wait(timeout=120)
-    assert time.monotonic() - killed_at < 60
+    with running(cmd, tmp_path, tmp_path / "a2.log") as second:
+        wait_for(lambda: read_tracker(run_dir / "checkpoints") == 4 and 5 in logged_steps(run_dir), second)
+        (server,) = [json.loads(p.read_text()) for p in (run_dir / "processes").glob("rollout_replica_*.json")]
+        rc, took = kill_and_wait(second, server["pid"])
+    assert took < 60
     console2 = (tmp_path / "a2.log").read_text()
     assert rc == EXIT_PROCESS_DIED, console2[-4000:]
-    errors = [line for line in console2.splitlines() if "[verl-sat] error: rollout replica" in line]
-    assert len(errors) == 1 and f"(pid {server['pid']}) died during global step" in errors[0], console2[-4000:]
-    assert "prompt(s) in flight" in errors[0] and "resumes from the checkpoint of step 4" in errors[0]
+    error = one_error_line(console2, "rollout replica", server["pid"])
+    assert "prompt(s) in flight" in error and "resumes from the checkpoint of step 4" in error
     assert "resuming from the checkpoint of step 2" in console2
     # attempt 3: resumes from 4 and completes
     third = subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT_S, env=env(), cwd=tmp_path)

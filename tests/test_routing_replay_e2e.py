@@ -12,11 +12,9 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import time
 
 import pytest
-from test_faults_e2e import command, logged_steps, start, wait_for
+from test_faults_e2e import command, kill_and_wait, logged_steps, one_error_line, running, wait_for
 from test_main_e2e import assets, check_sat_run, run_main  # noqa: F401  (the session fixture and the launcher)
 
 from verl_sat.accounting import read_jsonl
@@ -52,18 +50,12 @@ def test_r3_on_two_data_parallel_ranks_then_a_trainer_worker_dies(assets, tmp_pa
     dp2 += ("actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=1",)
     cmd = command(assets, run_dir, NOISE, *SYNC, "sat.routing_replay=R3", *dp2, "trainer.total_training_steps=8")
     record = run_dir / "processes" / "trainer_worker_rank1.json"
-    job = start(cmd, tmp_path, tmp_path / "job.log")
-    try:
+    with running(cmd, tmp_path, tmp_path / "job.log") as job:
         wait_for(lambda: len(logged_steps(run_dir)) >= 2 and record.is_file(), job)
         worker = json.loads(record.read_text())
         assert worker["pid"] not in (job.pid, os.getpid())
-        os.kill(worker["pid"], signal.SIGKILL)
-        killed_at = time.monotonic()
-        rc = job.wait(timeout=120)
-    finally:
-        if job.poll() is None:
-            os.killpg(job.pid, signal.SIGKILL)  # only the job this test started
-    assert time.monotonic() - killed_at < 60
+        rc, took = kill_and_wait(job, worker["pid"])
+    assert took < 60
     console = (tmp_path / "job.log").read_text()
     rows = [{"step": r["step"], **r["data"]} for r in read_jsonl(run_dir / "metrics.jsonl")][:2]
     # 1. R3
@@ -81,8 +73,7 @@ def test_r3_on_two_data_parallel_ranks_then_a_trainer_worker_dies(assets, tmp_pa
         assert row["actor/sat_seqs_per_micro_batch"] == 1.0 and row["actor/sat_score_drift"] == 0.0
     # 3. the dead trainer worker
     assert rc == EXIT_PROCESS_DIED, console[-4000:]
-    errors = [line for line in console.splitlines() if "[verl-sat] error: trainer worker rank1" in line]
-    assert len(errors) == 1 and f"(pid {worker['pid']}) died during global step" in errors[0], console[-4000:]
+    one_error_line(console, "trainer worker rank1", worker["pid"])
     fault = json.loads((run_dir / "run.json").read_text())["fault"]
     assert fault["kind"] == "trainer worker" and fault["pid"] == worker["pid"]
     assert logged_steps(run_dir)[-1] < 8  # stopped, not finished

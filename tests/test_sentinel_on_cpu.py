@@ -419,6 +419,19 @@ def test_hook_stop_ends_verls_loop_after_the_alarm_step_as_a_collapse(tmp_path: 
     assert status == EXIT_COLLAPSED and "stopped training after step 62" in line
 
 
+def test_a_stop_records_what_is_still_in_flight(tmp_path: Path, monkeypatch):
+    """The sentinel's stop makes its step the last: the sample accounting then records what is
+    still in TransferQueue (``in_flight_at_end``), as on a run's planned last step, so run.json
+    says how many prompts the stopped run left untrained instead of "unknown"."""
+    import transfer_queue
+
+    monkeypatch.setattr(transfer_queue, "kv_list", lambda partition_id: {"train": {"u7_0": {}, "u8_3": {}}})
+    run_fit(tmp_path, monkeypatch, {"action": "stop"}, steps=120, fault=60, transient=False)
+    rows = [json.loads(line) for line in (tmp_path / "samples.jsonl").read_text().splitlines()]
+    (end,) = [r for r in rows if r.get("event") == "in_flight_at_end"]
+    assert end["step"] == 62 and end["uids"] == ["u7", "u8"]
+
+
 def test_rollback_undoes_a_transient_training_fault_and_halves_the_lag(tmp_path: Path, monkeypatch, capsys):
     """A fault in the weights (transient=True) from step 60: the alarm at 62 reloads step 55's
     checkpoint, saved by verl's own _save_checkpoint, in step 63's on_step_end, before the

@@ -398,8 +398,10 @@ class SATTrainerMixin(SentinelTrainerMixin, AutoLagTrainerMixin, SampleAccountin
         super()._compute_metrics(batch, metrics, timing_raw, global_steps=global_steps, epoch=epoch)  # type: ignore[misc]
         finish_staleness_breakdown(metrics)
         fill_eviction_counters(metrics)
-        self._account_step(int(global_steps))
+        # the sentinel first: a stop makes this step the last, and the accounting then records what
+        # is still in flight, as on the planned last step
         self._sentinel_observe(int(global_steps), metrics)
+        self._account_step(int(global_steps))
 
     def on_step_end(self) -> None:
         self._sentinel_rollback_if_pending()
