@@ -21,7 +21,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from test_main_e2e import step_gate_rate
+from test_main_e2e import check_sat_rows, step_gate_rate
 
 from verl_sat.accounting import read_jsonl, summarize
 from verl_sat.faults import read_tracker
@@ -132,6 +132,7 @@ def test_rollback_undoes_a_transient_fault_and_a_persistent_one_ends_the_run(cac
     # after the rollback every sample is at most 1 optimizer step stale (the halved lag)
     assert all(rows[s]["training/sat/staleness_steps/max"] <= 1 for s in range(rollback["step"] + 3, last + 1))
     # 2. the persistent fault: the next alarm stops the run, its rollback spent
+    assert all("sentinel/low_run" in r for r in rows.values())  # scored every step
     alarms = [s for s, r in rows.items() if r.get("sentinel/alarm") == 1.0]
     assert alarms and all(SPIKE <= s <= rollback["step"] or s >= FAULT for s in alarms), alarms  # quiet otherwise
     alarm = alarms[-1]
@@ -140,6 +141,7 @@ def test_rollback_undoes_a_transient_fault_and_a_persistent_one_ends_the_run(cac
     assert rows[alarm]["critic/score/mean"] < rows[alarm]["sentinel/reward_band_low"]
     mismatch = sorted(rows[s]["actor/mismatch_abs_mean"] for s in range(1, SPIKE))
     assert max(rows[s]["actor/mismatch_abs_mean"] for s in range(FAULT, last + 1)) > 10 * mismatch[len(mismatch) // 2]
+    assert f"[verl-sat] sentinel: collapse signature at step {alarm}" in console
     assert "1 rollback(s) already done and the collapse signature is back; stopping" in console
     assert f"[verl-sat] error: the run ended collapsed: the sentinel stopped training after step {alarm}" in console
     assert record["sentinel"]["verdict"]["collapsed"] is True
@@ -202,20 +204,18 @@ def test_killed_job_resumes_and_a_dead_rollout_server_stops_the_job(cached_defau
     assert run["samples"]["prompts_trained"] == len(ids)
     # the default job's SAT, at one response per micro-batch, on every step of the timeline
     rows = [r["data"] for r in read_jsonl(run_dir / "metrics.jsonl")]
+    check_sat_rows(rows, lag=2)  # SAT's metrics, staleness <= 2, ratio against mu (bypass)
     for row in rows:
-        for key in ("actor/sat_q", "actor/sat_gate_rate", "actor/mismatch_abs_mean", "actor/sat_eps_high_mean"):
-            assert key in row, key
         assert row["actor/sat_seqs_per_micro_batch"] == 1.0
         assert 0.04 <= step_gate_rate(row) <= 0.1 + 1e-9, row  # the step's q, not each response's own
         assert row["actor/sat_score_drift"] == 0.0 and row["actor/sat_score_pass_seconds"] > 0
-        assert row["actor/sat_old_vs_rollout_logprob_gap"] == 0.0  # bypass: the ratio is against mu (SPEC §4)
         assert row["training/off_policy/evicted_samples"] == 0  # dropless sampling (verl_sat.actor.EVICTION_COUNTERS)
-    staleness = [r["training/sat/staleness_steps/max"] for r in rows]
-    assert max(staleness) == 2 and min(staleness) >= 0  # the lag is realised, and bounded
+    assert max(r["training/sat/staleness_steps/max"] for r in rows) == 2  # the lag is realised, not just bounded
     assert run["lag"] == 2 and run["method"] == "sat_gspo"
     assert run["config"]["trainer"]["v1"]["separate_async"]["parameter_sync_step"] == 2
     assert run["config"]["trainer"]["v1"]["sampler"]["max_off_policy_strategy"] == "wait"
     # a readable console: Ray's and the workers' output (TaskRunner's config dump) is in console.log
     stdout = third.stdout
-    assert "[verl-sat] step    6 |" in stdout and len(stdout.splitlines()) <= 30, stdout
+    assert "[verl-sat] step    6 |" in stdout and "[verl-sat] 6 steps in" in stdout
+    assert len(stdout.splitlines()) <= 30, stdout
     assert "FSDPActorConfig" in (run_dir / "console.log").read_text() and "FSDPActorConfig" not in stdout

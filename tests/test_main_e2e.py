@@ -54,9 +54,14 @@ def run_main(
 
 
 def check_sat_run(rows: list[dict], lag: int, bypass: bool = True) -> None:
-    """SAT's metrics, the staleness bound and the per-staleness rates of a 2-step run; ``bypass``:
-    the ratio's denominator is mu (false: the decoupled option, against the recomputation)."""
+    """``check_sat_rows`` on a 2-step run."""
     assert [r["step"] for r in rows] == [1, 2]
+    check_sat_rows(rows, lag, bypass)
+
+
+def check_sat_rows(rows: list[dict], lag: int, bypass: bool = True) -> None:
+    """SAT's metrics, the staleness bound and the per-staleness rates of each step; ``bypass``:
+    the ratio's denominator is mu (false: the decoupled option, against the recomputation)."""
     for row in rows:
         for key in ("actor/sat_q", "actor/sat_gate_rate", "actor/mismatch_abs_mean", "actor/sat_eps_high_mean"):
             assert key in row, key
