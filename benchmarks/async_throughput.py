@@ -11,7 +11,7 @@ dropped. Throughput is read from each run's own metrics.jsonl:
     tokens/s          = generated response tokens in those steps / the same time
 
 and printed with the ratio to sync. One global step holds ``lag`` optimizer steps of
-``ppo_mini_batch_size`` prompts (verl_sat.schedule), so every configuration trains on the same
+``ppo_mini_batch_size`` prompts (verl_sat.trainer.recipe), so every configuration trains on the same
 number of prompts per optimizer step.
 """
 

@@ -23,9 +23,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from verl_sat import job_summary
-from verl_sat.auto_lag import BROADCAST_KEY, LAG_KEY
 from verl_sat.main import METRICS_FILE, read_metrics
+from verl_sat.trainer import progress as job_summary
+from verl_sat.trainer.auto_lag import BROADCAST_KEY, LAG_KEY
 
 STEP, SYNC, STALENESS = "timing_s/step", "timing_s/update_weights", "training/sat/staleness_steps/max"
 

@@ -5,9 +5,9 @@
     python benchmarks/autolag_study.py run --dry-run                    # the plan only
     python benchmarks/autolag_study.py run --protocol docs/study_protocol_autolag2.md --out docs/study/autolag2
 
-Every run is one ``verl_sat.study_loop.StudyLoop`` of SAT-GSPO + R3 in the regime of
+Every run is one ``verl_sat.study.loop.StudyLoop`` of SAT-GSPO + R3 in the regime of
 docs/study_protocol.md; the arms differ only in when the weights are broadcast: every 1, 4 or 8
-optimizer steps, or by ``verl_sat.auto_lag``'s rule (the object the trainer uses). The target of
+optimizer steps, or by ``verl_sat.trainer.auto_lag``'s rule (the object the trainer uses). The target of
 the auto arm comes from a pilot run by the protocol's rule (``pilot_target``). Everything the runs
 use is read from the protocol's JSON block, which must be committed and unchanged.
 """
@@ -41,8 +41,8 @@ from sat_study import (  # noqa: E402  (the run spec, provenance and per-run sta
 )
 from staleness_study import smooth  # noqa: E402
 
-from verl_sat.auto_lag import BROADCAST_KEY, LAG_KEY  # noqa: E402
-from verl_sat.study_stats import paired_comparison, paired_t_interval  # noqa: E402
+from verl_sat.study.stats import paired_comparison, paired_t_interval  # noqa: E402
+from verl_sat.trainer.auto_lag import BROADCAST_KEY, LAG_KEY  # noqa: E402
 
 PROTOCOL = REPO / "docs" / "study_protocol_autolag.md"
 AUTO, PILOT = "auto", "pilot"
@@ -103,7 +103,7 @@ def autolag_stats(spec: Spec, rows: Sequence[dict[str, Any]], protocol: dict[str
 
 
 def paired_conditions(stats: Sequence[dict[str, Any]], a: str, b: str, key: str) -> dict[str, Any] | None:
-    """Per-seed differences of arm a - arm b (``verl_sat.study_stats.paired_comparison``)."""
+    """Per-seed differences of arm a - arm b (``verl_sat.study.stats.paired_comparison``)."""
 
     def cell(arm: str) -> dict[int, float]:
         return {s["seed"]: s[key] for s in stats if s["condition"] == arm and s.get(key) is not None}

@@ -26,9 +26,9 @@ from verl.workers.config.actor import ActorConfig
 
 import verl_sat  # noqa: F401  (registers sat, sat_gspo)
 from verl_sat import SATPolicyLossConfig
-from verl_sat.losses import loss_context
-from verl_sat.quantile import exact_quantile
-from verl_sat.step_quantile import step_scores
+from verl_sat.sat.losses import loss_context
+from verl_sat.sat.quantile import exact_quantile
+from verl_sat.sat.step_q import step_scores
 
 PAIRS = [("sat", "vanilla", "token-mean"), ("sat_gspo", "gspo", "seq-mean-token-mean")]
 SHAPES = [(64, 8192), (4, 32768)]

@@ -1,4 +1,4 @@
-"""Forward+backward time with routing replay vs without (verl_sat.routing_replay), side by side.
+"""Forward+backward time with routing replay vs without (verl_sat.routing.gates), side by side.
 
     python benchmarks/routing_replay.py [--repeats 5] [--tokens 256]
 
@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from verl_sat.default.model import MODEL_KWARGS
-from verl_sat.routing_replay import record_routes, replay_routes
+from verl_sat.routing.gates import record_routes, replay_routes
 
 LARGE = dict(
     MODEL_KWARGS,

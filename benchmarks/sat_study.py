@@ -1,6 +1,6 @@
 """SAT's working range, and the pre-registered study of what SAT does in it (issue 21).
 
-Every run is one :class:`verl_sat.study_loop.StudyLoop` (the CPU trainer's HF rollout engine,
+Every run is one :class:`verl_sat.study.loop.StudyLoop` (the CPU trainer's HF rollout engine,
 verl's registered losses, GRPO advantage and rollout correction, one process; docs/study.md says
 what it does and does not exercise), run on ``--jobs`` worker processes that load the assets once.
 
@@ -21,7 +21,7 @@ commit and blob hashes and the assets' fingerprint.
 Primary metric: the *trained* policy's accuracy on a fixed held-out set (``eval/heldout_acc``:
 512 problems never trained on, temperature 1, the same random numbers in every run), at the last
 step and at fixed checkpoints. Analysis: per-seed paired differences, a paired t-interval at 95%,
-the exact Wilcoxon signed-rank test and the exact sign-flip permutation test (verl_sat.study_stats).
+the exact Wilcoxon signed-rank test and the exact sign-flip permutation test (verl_sat.study.stats).
 """
 
 from __future__ import annotations
@@ -46,8 +46,8 @@ import staleness_study  # noqa: E402  (the run spec)
 from staleness_study import run_all, smooth  # noqa: E402  (the worker pool and the moving average)
 
 from verl_sat.main import read_metrics  # noqa: E402
-from verl_sat.study_loop import HELDOUT_GREEDY_KEY, HELDOUT_KEY, METRICS_FILE, LoopConfig  # noqa: E402
-from verl_sat.study_stats import (  # noqa: E402
+from verl_sat.study.loop import HELDOUT_GREEDY_KEY, HELDOUT_KEY, METRICS_FILE, LoopConfig  # noqa: E402
+from verl_sat.study.stats import (  # noqa: E402
     cpu_sentinel_config,
     final_mean,
     paired_comparison,
@@ -294,7 +294,7 @@ def assets_fingerprint(assets: Path) -> str:
 
 # -- analysis -----------------------------------------------------------------------------------
 def paired(stats: Sequence[dict[str, Any]], arm: str, ref: str, lag: int, key: str, tag: str = "") -> dict | None:
-    """Per-seed differences arm - ref at ``lag`` (``verl_sat.study_stats.paired_comparison``)."""
+    """Per-seed differences arm - ref at ``lag`` (``verl_sat.study.stats.paired_comparison``)."""
 
     def cell(name: str) -> dict[int, float]:
         return {

@@ -1,6 +1,6 @@
 """Staleness study in a regime where stale training is in trouble: SAT against the baselines, many seeds.
 
-Every run is one :class:`verl_sat.study_loop.StudyLoop` (the CPU trainer's HF rollout engine,
+Every run is one :class:`verl_sat.study.loop.StudyLoop` (the CPU trainer's HF rollout engine,
 verl's registered losses and GRPO advantage, in one process: docs/study.md says what it does
 and does not exercise). ``--jobs`` worker processes each import torch/verl/transformers once
 and load the default's assets once, then run many runs: per-run start-up is building the two
@@ -34,8 +34,8 @@ from pathlib import Path
 from typing import Any
 
 from verl_sat.main import read_metrics
-from verl_sat.study_loop import METRICS_FILE, LoopConfig, run_in_worker, worker_init
-from verl_sat.study_stats import bootstrap_ci, cpu_sentinel_config, final_mean, replay_sentinel
+from verl_sat.study.loop import METRICS_FILE, LoopConfig, run_in_worker, worker_init
+from verl_sat.study.stats import bootstrap_ci, cpu_sentinel_config, final_mean, replay_sentinel
 
 # arm -> LoopConfig fields. Baselines run the SAT losses with sat_enabled=false: verl's own
 # vanilla / gspo loss bit for bit (tests/test_losses_on_cpu.py), plus the dbar_pi metric.

@@ -7,7 +7,7 @@ micro-batches, is timed two ways, interleaved so both see the same machine noise
 
     micro_batch scope: forward+backward of every micro-batch (the loss takes q per micro-batch)
     step scope:        no-grad forward of every micro-batch (the scoring pass: log pi at the
-                       step's weights -> |d| -> exact q, verl_sat.quantile), then the same
+                       step's weights -> |d| -> exact q, verl_sat.sat.quantile), then the same
                        forward+backward
 
 each timed separately in interleaved repeats, and step / micro_batch = 1 + scoring / training
@@ -25,7 +25,7 @@ import time
 import torch
 
 from verl_sat.default import model as tiny
-from verl_sat.quantile import exact_quantile
+from verl_sat.sat.quantile import exact_quantile
 
 
 def step_batches(n_micro: int, seqs: int, length: int, vocab: int, seed: int = 0) -> list[torch.Tensor]:

@@ -44,10 +44,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from verl_sat import study_stats
-from verl_sat.report import DBAR_PI_KEY, GATE_RATE_KEY, CollapseRule, Run, Series, load_run, reward_series
-from verl_sat.sentinel import SentinelConfig
-from verl_sat.study_stats import cpu_sentinel_config
+from verl_sat.paper.report import DBAR_PI_KEY, GATE_RATE_KEY, CollapseRule, Run, Series, load_run, reward_series
+from verl_sat.study import stats as study_stats
+from verl_sat.study.stats import cpu_sentinel_config
+from verl_sat.trainer.sentinel import SentinelConfig
 
 # ---------------------------------------------------------------------------------------------
 # Settings
@@ -451,7 +451,7 @@ def seed_band(series_list: Sequence[Series]) -> tuple[list[int], list[float], li
 
 def plot_study(runs: Sequence[Run], key_fn: Any, ylabel: str, title: str, path: Path) -> Path:
     """One panel per lag, one line per method (seed mean, ±1 std band), x = optimizer steps."""
-    from verl_sat.report import _colors, _pyplot, finish_lag_panel, save_panels
+    from verl_sat.paper.report import _colors, _pyplot, finish_lag_panel, save_panels
 
     plt = _pyplot()
     lags = sorted({r.lag for r in runs}) or [1]
@@ -478,7 +478,7 @@ def plot_study(runs: Sequence[Run], key_fn: Any, ylabel: str, title: str, path: 
 
 def plot_staleness_profile(cells: Sequence[CellSummary], path: Path) -> Path | None:
     """dbar_pi against per-sample staleness, one panel per lag > 1, one line per method (±1 std)."""
-    from verl_sat.report import _colors, _pyplot, finish_lag_panel, save_panels
+    from verl_sat.paper.report import _colors, _pyplot, finish_lag_panel, save_panels
 
     rows = [c for c in cells if c.lag > 1 and c.by_staleness]
     if not rows:

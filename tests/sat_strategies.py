@@ -483,7 +483,7 @@ def run_loss(
     """
     from verl.trainer.ppo.core_algos import get_policy_loss_fn
 
-    from verl_sat.losses import loss_context
+    from verl_sat.sat.losses import loss_context
 
     log_prob = batch["log_prob"].clone().requires_grad_(True)
     w = torch.ones_like(log_prob, requires_grad=True) if weights else None

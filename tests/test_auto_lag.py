@@ -1,4 +1,4 @@
-"""sat.lag=auto (verl_sat.auto_lag): the rule, its validation, its wiring onto verl's keys and
+"""sat.lag=auto (verl_sat.trainer.auto_lag): the rule, its validation, its wiring onto verl's keys and
 weight sync, what a run logs, and the study loop driven by the same rule."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from test_main_on_cpu import assets, cpu_cfg, no_build, restore_environ  # noqa:
 from test_schedule_on_cpu import v1_config
 
 from verl_sat import main
-from verl_sat.auto_lag import (
+from verl_sat.trainer.auto_lag import (
     BROADCAST_KEY,
     LAG_KEY,
     SIGNAL_KEY,
@@ -25,7 +25,7 @@ from verl_sat.auto_lag import (
     suggest_targets,
     suggestion_line,
 )
-from verl_sat.schedule import SATRecipeConfig, apply_lag
+from verl_sat.trainer.recipe import SATRecipeConfig, apply_lag
 
 signals = st.lists(st.one_of(st.none(), st.floats(0, 1), st.just(float("nan"))), min_size=1, max_size=60)
 
@@ -250,7 +250,7 @@ def model_and_tokenizer():
 
 def test_the_study_loop_broadcasts_by_the_rule_and_keeps_the_staleness_bound(model_and_tokenizer, monkeypatch):
     from verl_sat.default import reward
-    from verl_sat.study_loop import LoopConfig, StudyLoop
+    from verl_sat.study.loop import LoopConfig, StudyLoop
 
     monkeypatch.setattr(reward, "compute_score", lambda source, text, answer: float(len(text) % 2))
     base = {"steps": 9, "prompts_per_step": 2, "rollout_n": 2, "max_response_length": 4, "lr": 1e-2}
@@ -278,7 +278,7 @@ def test_the_study_loop_broadcasts_by_the_rule_and_keeps_the_staleness_bound(mod
 
 
 def test_a_report_reads_an_auto_run_at_its_staleness_bound(tmp_path):
-    from verl_sat.report import load_run
+    from verl_sat.paper.report import load_run
 
     run = tmp_path / "r"
     run.mkdir()

@@ -8,7 +8,7 @@ from verl.utils.config import omega_conf_to_dataclass
 from verl.workers.config.actor import PolicyLossConfig
 
 from verl_sat import SATPolicyLossConfig
-from verl_sat.config import sat_settings
+from verl_sat.sat.config import sat_settings
 
 
 @pytest.mark.parametrize(

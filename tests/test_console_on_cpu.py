@@ -1,4 +1,4 @@
-"""verl_sat.console: the console keeps verl-sat's lines, the progress bar and every error line;
+"""verl_sat.trainer.console: the console keeps verl-sat's lines, the progress bar and every error line;
 the rest of Ray's forwarded worker output goes to console.log only."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import threading
 
 import pytest
 
-from verl_sat.console import ConsoleSplitter, LineFilter, quiet_console
+from verl_sat.trainer.console import ConsoleSplitter, LineFilter, quiet_console
 
 CYAN, RESET = "\x1b[36m", "\x1b[0m"
 

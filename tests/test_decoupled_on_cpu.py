@@ -1,6 +1,6 @@
 """SPEC §4's decoupled option: the ratio against old_log_prob, the SAT score against mu.
 
-``sat_score_against=rollout_log_probs`` takes mu from ``verl_sat.losses.LossContext``, which
+``sat_score_against=rollout_log_probs`` takes mu from ``verl_sat.sat.losses.LossContext``, which
 verl-sat's worker loss opens with the batch's rollout log-probs. The rule itself is unchanged,
 so SPEC §2's properties hold for whatever score d it is given. The property tests draw from
 ``sat_strategies.sat_cases(decoupled=True)`` (the staleness in the score against mu, the ratio
@@ -27,8 +27,8 @@ from sat_strategies import (
 from verl.trainer.ppo.core_algos import get_policy_loss_fn
 
 from verl_sat import SATPolicyLossConfig
-from verl_sat.losses import loss_context
-from verl_sat.sat_rule import sat_factors
+from verl_sat.sat.losses import loss_context
+from verl_sat.sat.rule import sat_factors
 
 DECOUPLED = {"sat_score_against": "rollout_log_probs"}
 

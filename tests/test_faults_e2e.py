@@ -23,9 +23,9 @@ from pathlib import Path
 import pytest
 from test_main_e2e import check_sat_rows, step_gate_rate
 
-from verl_sat.accounting import read_jsonl, summarize
-from verl_sat.faults import read_tracker
-from verl_sat.rollout.supervisor import EXIT_PROCESS_DIED
+from verl_sat.trainer.accounting import read_jsonl, summarize
+from verl_sat.trainer.faults import read_tracker
+from verl_sat.trainer.supervisor import EXIT_PROCESS_DIED
 
 pytestmark = pytest.mark.e2e
 
@@ -209,7 +209,7 @@ def test_killed_job_resumes_and_a_dead_rollout_server_stops_the_job(cached_defau
         assert row["actor/sat_seqs_per_micro_batch"] == 1.0
         assert 0.04 <= step_gate_rate(row) <= 0.1 + 1e-9, row  # the step's q, not each response's own
         assert row["actor/sat_score_drift"] == 0.0 and row["actor/sat_score_pass_seconds"] > 0
-        assert row["training/off_policy/evicted_samples"] == 0  # dropless sampling (verl_sat.actor.EVICTION_COUNTERS)
+        assert row["training/off_policy/evicted_samples"] == 0  # dropless (EVICTION_COUNTERS)
     assert max(r["training/sat/staleness_steps/max"] for r in rows) == 2  # the lag is realised, not just bounded
     assert run["lag"] == 2 and run["method"] == "sat_gspo"
     assert run["config"]["trainer"]["v1"]["separate_async"]["parameter_sync_step"] == 2

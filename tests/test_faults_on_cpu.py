@@ -1,4 +1,4 @@
-"""Sample accounting (verl_sat.accounting) and the fault guards (verl_sat.faults), without Ray.
+"""Sample accounting (verl_sat.trainer.accounting) and the fault guards (verl_sat.trainer.faults), without Ray.
 
 verl's own ``PPOTrainer._save_checkpoint`` runs here unchanged (its worker group, dataloader
 and TransferQueue stubbed), so the save order it relies on is verl's, not a copy.
@@ -15,8 +15,8 @@ from unittest import mock
 import pytest
 from omegaconf import OmegaConf
 
-from verl_sat import accounting
-from verl_sat.faults import (
+from verl_sat.trainer import accounting
+from verl_sat.trainer.faults import (
     EXIT_COLLAPSED,
     TRACKER,
     FaultConfig,
@@ -27,7 +27,7 @@ from verl_sat.faults import (
     read_tracker,
     write_tracker,
 )
-from verl_sat.schedule import SATRecipeConfig
+from verl_sat.trainer.recipe import SATRecipeConfig
 
 
 # ---------------------------------------------------------------------------------------------
@@ -250,7 +250,7 @@ def test_fault_config_errors_name_key_and_value(node: dict, message: str):
 def test_fault_config_defaults_off_and_yaml_lists_every_key():
     from dataclasses import fields
 
-    from verl_sat.paths import hydra_config_dir
+    from verl_sat.files import hydra_config_dir
 
     assert FaultConfig.from_node(None) == FaultConfig() and FaultConfig(lr_spike_steps=9).lr_spike_steps == (9,)
     yaml = OmegaConf.load(Path(hydra_config_dir()) / "sat_gspo_cpu.yaml")
@@ -281,7 +281,7 @@ def test_finish_run_summarises_into_run_json_and_a_collapse_exits_nonzero(tmp_pa
 
 
 def test_report_lists_each_runs_sample_accounting(tmp_path: Path):
-    from verl_sat import report
+    from verl_sat.paper import report
 
     run_dir = tmp_path / "sat_gspo-lag2"
     run_dir.mkdir()

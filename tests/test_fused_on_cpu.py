@@ -1,4 +1,4 @@
-"""The fused SAT surrogates (``verl_sat/fused.py``) against the autograd form they replace.
+"""The fused SAT surrogates (``verl_sat/sat/fused.py``) against the autograd form they replace.
 
 The reference below is SAT's loss written as autograd ops (PPO's clamp, then the gated tokens
 re-clipped by ``sat_rule.sat_clip``), the form the losses had before the fused path. The fused
@@ -18,8 +18,8 @@ from hypothesis import strategies as st
 from sat_strategies import AGG_MODES, LEVELS, PROPERTY, SATCase, assert_biting_share, sat_cases, spec_rule
 from verl.trainer.ppo.core_algos import agg_loss, get_policy_loss_fn
 
-from verl_sat.fused import sequence_score
-from verl_sat.sat_rule import adaptive_bounds, intercepted, sat_clip, sat_factors
+from verl_sat.sat.fused import sequence_score
+from verl_sat.sat.rule import adaptive_bounds, intercepted, sat_clip, sat_factors
 
 TOL = {torch.float64: 1e-12, torch.float32: 1e-5, torch.bfloat16: 2e-2}
 

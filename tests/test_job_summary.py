@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from verl_sat import job_summary
 from verl_sat.main import summary
+from verl_sat.trainer import progress as job_summary
 
 
 def timed_row(step: int, gen: float, update: float, total: float, reward: float) -> dict:

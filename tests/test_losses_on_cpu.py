@@ -340,7 +340,7 @@ def test_step_scope_refuses_a_micro_batch_without_the_steps_q(sat_name):
 
 
 def test_registration_refuses_a_different_function():
-    from verl_sat import losses
+    from verl_sat.sat import losses
 
     original = POLICY_LOSS_REGISTRY["sat"]
     try:

@@ -13,9 +13,9 @@ from omegaconf import DictConfig, OmegaConf
 
 from verl_sat import main
 from verl_sat.default import reward
-from verl_sat.paper_table import derive_method, normalize_method
-from verl_sat.paths import hydra_config_dir
-from verl_sat.report import load_run
+from verl_sat.files import hydra_config_dir
+from verl_sat.paper.report import load_run
+from verl_sat.paper.table import derive_method, normalize_method
 
 MODEL, TRAIN, VAL, REWARD = main.MODEL_PATH_KEY, main.TRAIN_FILES_KEY, main.VAL_FILES_KEY, main.REWARD_PATH_KEY
 CORRECTION = "algorithm.rollout_correction"

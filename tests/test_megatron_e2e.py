@@ -9,7 +9,7 @@ Two launches (about 3.5 min on 2 idle cores, most of it start-up):
 
 1. two steps with ``sat.routing_replay=R3``, through **verl's own** Megatron router replay, saving
    Megatron's checkpoint at step 2: the trainer's own top-k differs from the rollout's on many
-   rows (``actor/routing_replay/topk_agreement``, measured by ``verl_sat.megatron_routes`` before
+   rows (``actor/routing_replay/topk_agreement``, measured by ``verl_sat.routing.megatron`` before
    the replay replaces it), yet dbar_pi falls below the FSDP R3 ceiling;
 2. the same run resumed from that checkpoint to step 4 with routing replay off: one metrics row
    per step, 1-2 kept; the trainer now routes on its own, so under the same noise dbar_pi stays

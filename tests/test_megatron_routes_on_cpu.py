@@ -1,4 +1,4 @@
-"""verl_sat.megatron_routes: the router's own top-k and the counts behind the Megatron routing metrics.
+"""verl_sat.routing.megatron: the router's own top-k and the counts behind the Megatron routing metrics.
 
 The hook runs on real routers in tests/test_megatron_e2e.py; here it runs on a stand-in router
 and replay state, so each count can be checked by hand.
@@ -12,7 +12,7 @@ import pytest
 import torch
 from verl.utils.megatron.router_replay_patch import RouterReplayAction
 
-from verl_sat.megatron_routes import RouteAgreementHooks, megatron_replay_mode, own_topk
+from verl_sat.routing.megatron import RouteAgreementHooks, megatron_replay_mode, own_topk
 
 
 def router(weight: torch.Tensor, score_function="softmax", expert_bias=None, action=None, target=None, mask=None):
@@ -32,7 +32,7 @@ def router(weight: torch.Tensor, score_function="softmax", expert_bias=None, act
 def hooks() -> RouteAgreementHooks:
     h = object.__new__(RouteAgreementHooks)  # no model: the hook alone
     h.routers = []
-    from verl_sat.routing_replay import RouteCounts
+    from verl_sat.routing.gates import RouteCounts
 
     h.counts = RouteCounts()
     return h

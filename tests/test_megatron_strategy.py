@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 from hydra import compose, initialize_config_dir
 
-from verl_sat.paths import hydra_config_dir
-from verl_sat.schedule import SATRecipeConfig, apply_lag, apply_routing_replay, apply_strategy
+from verl_sat.files import hydra_config_dir
+from verl_sat.trainer.recipe import SATRecipeConfig, apply_lag, apply_routing_replay, apply_strategy
 
 
 def composed(*overrides: str):

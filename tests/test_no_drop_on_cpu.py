@@ -32,9 +32,9 @@ import torch
 from omegaconf import DictConfig, open_dict
 from tensordict import TensorDict
 
-from verl_sat import recipes
-from verl_sat.actor import EVICTION_COUNTERS, SATTrainerMixin
-from verl_sat.schedule import apply_lag
+from verl_sat.paper import grid as recipes
+from verl_sat.trainer.actor import EVICTION_COUNTERS, SATTrainerMixin
+from verl_sat.trainer.recipe import apply_lag
 
 STALE = "training/off_policy/evicted_samples"
 
@@ -45,7 +45,7 @@ STALE = "training/off_policy/evicted_samples"
 def test_cpu_default_waits_instead_of_dropping() -> None:
     from hydra import compose, initialize_config_dir
 
-    from verl_sat.paths import hydra_config_dir
+    from verl_sat.files import hydra_config_dir
 
     with initialize_config_dir(config_dir=str(hydra_config_dir()), version_base=None):
         cfg = compose(config_name="sat_gspo_cpu")

@@ -9,7 +9,7 @@ import sys
 CHECK = (
     "import sys, verl\n"
     "from verl.trainer.ppo.core_algos import POLICY_LOSS_REGISTRY as R\n"
-    "print(sorted(k for k in R if k.startswith('sat')), 'verl_sat.losses' in sys.modules)\n"
+    "print(sorted(k for k in R if k.startswith('sat')), 'verl_sat.sat.losses' in sys.modules)\n"
 )
 
 

@@ -1,4 +1,4 @@
-"""Exact radix selection (verl_sat.quantile), alone and across data-parallel ranks (gloo)."""
+"""Exact radix selection (verl_sat.sat.quantile), alone and across data-parallel ranks (gloo)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from sat_strategies import PROPERTY
 
-from verl_sat.quantile import exact_quantile, keys_to_float, ordered_keys, quantile_rank
+from verl_sat.sat.quantile import exact_quantile, keys_to_float, ordered_keys, quantile_rank
 
 DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16]
 

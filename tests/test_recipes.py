@@ -1,4 +1,4 @@
-"""The paper's recipes (hydra_configs/, verl_sat.recipes, recipes/sat_paper/) against verl 0.9.1.
+"""The paper's recipes (hydra_configs/, verl_sat.paper.grid, recipes/sat_paper/) against verl 0.9.1.
 
 Every cell of the grid is composed on verl's packaged configs and checked against the paper's
 hyper-parameter table (SPEC §7); every key our YAML sets must exist in verl's schema.
@@ -18,8 +18,8 @@ import verl.trainer.config as verl_config_pkg
 import yaml
 from omegaconf import OmegaConf
 
-from verl_sat import recipes
-from verl_sat.paths import hydra_config_dir
+from verl_sat.files import hydra_config_dir
+from verl_sat.paper import grid as recipes
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIG_DIR = hydra_config_dir()
@@ -287,7 +287,7 @@ def test_cell_names_and_run_dir(cells: dict, method: str, lag: int) -> None:
 def test_derived_method_is_the_cells(cells: dict, method: str, lag: int) -> None:
     """What the config runs, read back from verl's keys, is the Table-1 row the cell is named
     after (base: the untrained model, evaluated with GRPO's settings)."""
-    from verl_sat.paper_table import derive_method
+    from verl_sat.paper.table import derive_method
 
     assert derive_method(OmegaConf.create(cells[(method, lag)])) == ("grpo" if method == "base" else method)
 
@@ -394,7 +394,7 @@ def test_list_and_overrides(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def test_run_sh_dry_run(tmp_path: Path) -> None:
-    # A stand-in interpreter answers run.sh's `-m verl_sat.recipes --overrides` call with the real
+    # A stand-in interpreter answers run.sh's `-m verl_sat.paper.grid --overrides` call with the real
     # overrides (importing verl_sat in a subprocess costs ~10 s); DRY_RUN echoes the launch.
     run_dir = tmp_path / "gspo_tis_r3-lag8"
     lines = recipes.cell_overrides("gspo_tis_r3", 8, run_dir=str(run_dir))

@@ -1,4 +1,4 @@
-"""Tests of verl_sat.report and verl_sat.paper_table on the fixture runs in tests/fixtures/runs/."""
+"""Tests of verl_sat.paper.report and verl_sat.paper.table on the fixture runs in tests/fixtures/runs/."""
 
 from __future__ import annotations
 
@@ -11,8 +11,7 @@ import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from verl_sat.paper_table import PAPER_TABLE1, normalize_method, paper_row
-from verl_sat.report import (
+from verl_sat.paper.report import (
     CollapseRule,
     Run,
     as_percent,
@@ -25,6 +24,7 @@ from verl_sat.report import (
     run_label,
     run_styles,
 )
+from verl_sat.paper.table import PAPER_TABLE1, normalize_method, paper_row
 
 RUNS = Path(__file__).parent / "fixtures" / "runs"
 RUN_DIRS = [RUNS / "sat_gspo_r3-lag8", RUNS / "baseline_run", RUNS / "gspo-lag1"]

@@ -17,8 +17,8 @@ import pytest
 from test_faults_e2e import command, kill_and_wait, logged_steps, one_error_line, running, wait_for
 from test_main_e2e import assets, check_sat_run, run_main  # noqa: F401  (the session fixture and the launcher)
 
-from verl_sat.accounting import read_jsonl
-from verl_sat.rollout.supervisor import EXIT_PROCESS_DIED
+from verl_sat.trainer.accounting import read_jsonl
+from verl_sat.trainer.supervisor import EXIT_PROCESS_DIED
 
 pytestmark = pytest.mark.e2e
 
@@ -38,7 +38,7 @@ def test_r3_on_two_data_parallel_ranks_then_a_trainer_worker_dies(assets, tmp_pa
        the trainer's own top-k differs from the rollout's on many tokens
        (actor/routing_replay/topk_agreement, measured before replay), yet dbar_pi is near 0; the same
        noise without replaying the rollout's routes (the R2 test below) leaves it > 0.1.
-    2. The step's q is all-reduced across the ranks (verl_sat.quantile) inside verl's FSDP engine:
+    2. The step's q is all-reduced across the ranks (verl_sat.sat.quantile) inside verl's FSDP engine:
        the step's exact gate rate over both ranks' tokens stays near 1 - alpha although each
        micro-batch holds one response.
     3. After step 2, trainer rank 1 (verl's actor, registered by the SAT worker's init_model) is

@@ -1,24 +1,23 @@
-"""Routing replay (verl_sat.routing_replay, SPEC §6) on the tiny Qwen3-MoE: no Ray, seconds."""
+"""Routing replay (verl_sat.routing.gates, SPEC §6) on the tiny Qwen3-MoE: no Ray, seconds."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 import torch
-from omegaconf import OmegaConf
+from omegaconf import DictConfig, OmegaConf
 
 from verl_sat.default import model as tiny
 from verl_sat.rollout.engine import EngineOptions, GenerationRequest, HFEngine
 from verl_sat.rollout.sampling import SamplingParams
-from verl_sat.routing_replay import (
-    ENGINE_VENDOR,
+from verl_sat.routing.gates import (
     align_routes,
     find_routers,
     record_routes,
     replay_routes,
     routes_per_sample,
 )
-from verl_sat.schedule import apply_routing_replay
+from verl_sat.trainer.recipe import apply_routing_replay
 
 VOCAB = 64
 
@@ -283,12 +282,34 @@ def test_apply_routing_replay_fsdp_and_megatron():
     assert "router_replay" not in untouched.actor_rollout_ref.actor.fsdp_config
 
 
-def test_replay_engine_is_registered_for_its_vendor(monkeypatch):
+def test_the_actors_engine_is_verls_with_the_mixins_and_registered_for_its_vendor(monkeypatch):
+    """One way of extending verl's engines: the composed class is what verl's registry returns."""
     from verl.workers.engine.base import EngineRegistry
+    from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
 
-    from verl_sat.routing_replay import routing_replay_engine
+    from verl_sat.routing.fsdp import RoutingReplayFSDP
+    from verl_sat.trainer.engines import StepQuantileEngine, engine_mixins, register_engine
 
-    cls = routing_replay_engine()
     monkeypatch.setenv("VERL_ENGINE_DEVICE", "cuda")
-    monkeypatch.setenv("VERL_ENGINE_VENDOR", ENGINE_VENDOR)
-    assert EngineRegistry.get_engine_cls("language_model", "fsdp2") is cls
+    monkeypatch.delenv("VERL_ENGINE_VENDOR", raising=False)
+
+    def config(loss_mode: str, mode: str) -> DictConfig:
+        return OmegaConf.create(
+            {
+                "strategy": "fsdp2",
+                "fsdp_config": {"router_replay": {"mode": mode}},
+                "policy_loss": {"loss_mode": loss_mode},
+            }
+        )
+
+    mixins = engine_mixins(config("sat_gspo", "R3"))
+    assert mixins == (StepQuantileEngine, RoutingReplayFSDP)
+    vendor = register_engine("fsdp2", mixins)
+    assert register_engine("fsdp2", mixins) == vendor  # idempotent
+    import os
+
+    assert os.environ["VERL_ENGINE_VENDOR"] == vendor
+    cls = EngineRegistry.get_engine_cls("language_model", "fsdp2")
+    assert cls.__mro__[1:4] == (StepQuantileEngine, RoutingReplayFSDP, FSDPEngineWithLMHead)
+    assert engine_mixins(config("vanilla", "disabled")) == ()
+    assert engine_mixins(config("sat", "disabled")) == (StepQuantileEngine,)

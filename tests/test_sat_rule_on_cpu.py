@@ -25,8 +25,8 @@ from sat_strategies import (
     stale_tokens,
 )
 
-from verl_sat.fused import sequence_factors, token_factors
-from verl_sat.sat_rule import (
+from verl_sat.sat.fused import sequence_factors, token_factors
+from verl_sat.sat.rule import (
     adaptive_bounds,
     kernel_psi,
     masked_quantile,

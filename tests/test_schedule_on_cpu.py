@@ -11,9 +11,9 @@ import torch
 from conftest import actor_config, random_batch
 from omegaconf import OmegaConf
 
-from verl_sat.actor import finish_staleness_breakdown, staleness_breakdown, staleness_in_steps
 from verl_sat.main import make_run_dir, progress_line, read_metrics, summary
-from verl_sat.schedule import SATRecipeConfig, apply_actor, apply_lag
+from verl_sat.trainer.actor import finish_staleness_breakdown, staleness_breakdown, staleness_in_steps
+from verl_sat.trainer.recipe import SATRecipeConfig, apply_actor, apply_lag
 
 
 def v1_config(mode: str = "separate_async", mini: int = 8) -> OmegaConf:
@@ -256,7 +256,7 @@ def _scope_cfg(scope: str, loss_mode: str = "sat_gspo", **actor: object):
 
 
 def test_gate_starvation_warning_names_the_keys_only_where_the_gate_can_starve():
-    from verl_sat.schedule import gate_starvation_warning
+    from verl_sat.trainer.recipe import gate_starvation_warning
 
     warning = gate_starvation_warning(_scope_cfg("micro_batch"))
     assert "ppo_micro_batch_size_per_gpu=2" in warning and "sat_quantile_scope=step" in warning
@@ -269,8 +269,9 @@ def test_gate_starvation_warning_names_the_keys_only_where_the_gate_can_starve()
 
 def test_file_logger_path_reaches_ray_through_runtime_env(tmp_path, monkeypatch):
     # on a pre-started Ray cluster, workers do not inherit the driver's environment
-    from verl_sat import main, recipes
+    from verl_sat import main
     from verl_sat.main import prepare
+    from verl_sat.paper import grid as recipes
 
     monkeypatch.setattr(main, "check_paths", lambda cfg: None)  # the paper's data is not on this machine
     monkeypatch.setenv("VERL_FILE_LOGGER_PATH", "unset after the test")  # prepare sets it

@@ -1,4 +1,4 @@
-"""The collapse sentinel (verl_sat.sentinel) and its hook on the trainer (SATTrainerMixin)."""
+"""The collapse sentinel (verl_sat.trainer.sentinel) and its hook on the trainer (SATTrainerMixin)."""
 
 from __future__ import annotations
 
@@ -18,11 +18,11 @@ from omegaconf import OmegaConf
 from transfer_queue import KVBatchMeta
 from verl.trainer.ppo.v1.trainer_base import PPOTrainer
 
-from verl_sat.actor import SATTrainerMixin
-from verl_sat.faults import EXIT_COLLAPSED, collapse_exit, write_tracker
-from verl_sat.paths import hydra_config_dir
-from verl_sat.schedule import SATRecipeConfig
-from verl_sat.sentinel import (
+from verl_sat.files import hydra_config_dir
+from verl_sat.trainer.actor import SATTrainerMixin
+from verl_sat.trainer.faults import EXIT_COLLAPSED, collapse_exit, write_tracker
+from verl_sat.trainer.recipe import SATRecipeConfig
+from verl_sat.trainer.sentinel import (
     CollapseSentinel,
     SentinelConfig,
     list_checkpoints,

@@ -45,7 +45,7 @@ def compose(overrides: list[str]) -> DictConfig:
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
 
-    from verl_sat.paths import hydra_config_dir
+    from verl_sat.files import hydra_config_dir
 
     task = [o for o in overrides if not o.startswith("hydra.")]
     with initialize_config_dir(config_dir=str(hydra_config_dir()), version_base=None):

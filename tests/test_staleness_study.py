@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from verl_sat.study_stats import final_mean
+from verl_sat.study.stats import final_mean
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -1,4 +1,4 @@
-"""q over the optimizer step (SPEC §2 step 2; verl_sat.step_quantile) at the paper's shapes.
+"""q over the optimizer step (SPEC §2 step 2; verl_sat.sat.step_q) at the paper's shapes.
 
 A step of many micro-batches, each holding one to three long responses (dynamic batching at
 ~35k tokens, multi-thousand-token responses): with ``step`` scope SAT-GSPO gates about 1 - alpha
@@ -13,9 +13,10 @@ from conftest import actor_config
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from verl_sat.losses import compute_policy_loss_sat, compute_policy_loss_sat_gspo, loss_context
-from verl_sat.quantile import exact_quantile
-from verl_sat.step_quantile import StepQuantileEngine, enable_step_quantile, needs_step_q, step_scores
+from verl_sat.sat.losses import compute_policy_loss_sat, compute_policy_loss_sat_gspo, loss_context
+from verl_sat.sat.quantile import exact_quantile
+from verl_sat.sat.step_q import needs_step_q, step_scores
+from verl_sat.trainer.engines import StepQuantileEngine, compose, enable_step_q
 
 LOSSES = {"sat": compute_policy_loss_sat, "sat_gspo": compute_policy_loss_sat_gspo}
 
@@ -190,9 +191,9 @@ def test_engine_mixin_scores_the_step_before_training():
     from verl.workers.utils.padding import no_padding_2_padding
 
     data, lp, old = fake_mini_batch()
-    engine = FakeEngine()
+    engine = compose(FakeEngine, (StepQuantileEngine,))()
     config = actor_config("sat")
-    enable_step_quantile(engine, config)
+    enable_step_q(engine, config)
     assert isinstance(engine, StepQuantileEngine) and needs_step_q(config)
     engine.forward_backward_batch(data, loss_function=lambda **_: None)
     (first, second) = engine.calls
@@ -210,17 +211,17 @@ def test_engine_mixin_scores_the_step_before_training():
 )
 def test_engine_mixin_passes_through_when_no_step_q_is_needed(overrides):
     data, _, _ = fake_mini_batch()
-    engine = FakeEngine()
+    engine = compose(FakeEngine, (StepQuantileEngine,))()
     loss_mode = overrides.pop("loss_mode", "sat_gspo")
-    enable_step_quantile(engine, actor_config(loss_mode, **overrides))
+    enable_step_q(engine, actor_config(loss_mode, **overrides))
     engine.forward_backward_batch(data, loss_function=lambda **_: None)
     assert len(engine.calls) == 1 and engine.calls[0][0] is False and engine.calls[0][2]["sat_step_q"] is None
 
 
 def test_forward_only_calls_are_untouched():
     data, _, _ = fake_mini_batch()
-    engine = FakeEngine()
-    enable_step_quantile(engine, actor_config("sat"))
+    engine = compose(FakeEngine, (StepQuantileEngine,))()
+    enable_step_q(engine, actor_config("sat"))
     engine.forward_backward_batch(data, loss_function=None, forward_only=True)
     assert len(engine.calls) == 1
 
@@ -232,7 +233,7 @@ def test_step_gate_rate_shares_add_up_to_the_steps_token_weighted_rate():
     from verl.utils import tensordict_utils as tu
     from verl.utils.metric import AggregationType
 
-    from verl_sat.actor import step_gate_rate
+    from verl_sat.trainer.actor import step_gate_rate
 
     g = torch.Generator().manual_seed(0)
     ranks = [[torch.rand(b, 50, generator=g) > 0.9 for b in (1, 3, 2)], [torch.rand(4, 50, generator=g) > 0.9]]
@@ -257,8 +258,8 @@ def test_scoring_pass_computes_log_pi_only_and_restores_the_batch_switches():
 
     data, _, _ = fake_mini_batch()
     tu.assign_non_tensor(data, calculate_entropy=True)
-    engine = FakeEngine()
-    enable_step_quantile(engine, actor_config("sat_gspo"))
+    engine = compose(FakeEngine, (StepQuantileEngine,))()
+    enable_step_q(engine, actor_config("sat_gspo"))
     engine.forward_backward_batch(data, loss_function=lambda **_: None)
     assert [call[2]["calculate_entropy"] for call in engine.calls] == [False, True]
     assert tu.get_non_tensor_data(data, key="calculate_entropy", default=None) is True
@@ -269,9 +270,9 @@ def test_forward_scoring_refuses_dynamic_context_parallel():
     from types import SimpleNamespace
 
     data, _, _ = fake_mini_batch()
-    engine = FakeEngine()
+    engine = compose(FakeEngine, (StepQuantileEngine,))()
     engine.engine_config = SimpleNamespace(dynamic_context_parallel=True)
-    enable_step_quantile(engine, actor_config("sat_gspo"))
+    enable_step_q(engine, actor_config("sat_gspo"))
     with pytest.raises(NotImplementedError, match="sat_step_score=old_log_prob"):
         engine.forward_backward_batch(data, loss_function=lambda **_: None)
 
@@ -285,8 +286,8 @@ def test_no_scoring_pass_when_one_micro_batch_on_one_rank_is_the_step(micro, dyn
 
     data, _, _ = fake_mini_batch()  # 3 samples
     tu.assign_non_tensor(data, micro_batch_size_per_gpu=micro, use_dynamic_bsz=dynamic)
-    engine = FakeEngine()
-    enable_step_quantile(engine, actor_config("sat_gspo"))
+    engine = compose(FakeEngine, (StepQuantileEngine,))()
+    enable_step_q(engine, actor_config("sat_gspo"))
     engine.forward_backward_batch(data, loss_function=lambda **_: None)
     assert len(engine.calls) == (1 if skipped else 2)
     training = engine.calls[-1][2]
@@ -321,7 +322,7 @@ def test_a_responses_score_does_not_depend_on_how_wide_its_row_is_padded():
     """The step's q pads the mini-batch, the loss its micro-batch: the sequence score must be the
     same bits at any width, or a response scored exactly at q is gated in the loss (an fp32 row sum
     differed in the last bit on about 30% of these rows)."""
-    from verl_sat.fused import sequence_score
+    from verl_sat.sat.fused import sequence_score
 
     g = torch.Generator().manual_seed(0)
     for _ in range(500):

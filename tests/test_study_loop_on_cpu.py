@@ -1,4 +1,4 @@
-"""The in-process study loop (verl_sat.study_loop): the trainer's log-probs line up with the
+"""The in-process study loop (verl_sat.study.loop): the trainer's log-probs line up with the
 rollout's, the lag sets the staleness, each mismatch knob does what it says, R3 removes the
 routing one, and bad settings name their field."""
 
@@ -10,7 +10,7 @@ import torch
 import verl_sat  # noqa: F401  (registers the SAT losses)
 from verl_sat.default import model as tiny
 from verl_sat.rollout.engine import EngineOptions, HFEngine, fixed_logit_bias
-from verl_sat.study_loop import LoopConfig, StudyLoop
+from verl_sat.study.loop import LoopConfig, StudyLoop
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +55,7 @@ def test_the_legacy_schedule_keeps_the_first_studys_staleness(model_and_tokenize
 
 
 def test_held_out_accuracy_is_the_trained_policys_on_problems_never_trained(model_and_tokenizer, varied_reward):
-    from verl_sat.study_loop import HELDOUT_GREEDY_KEY, HELDOUT_KEY, heldout_problems
+    from verl_sat.study.loop import HELDOUT_GREEDY_KEY, HELDOUT_KEY, heldout_problems
 
     model, tokenizer = model_and_tokenizer
     cfg = LoopConfig(steps=3, prompts_per_step=4, rollout_n=2, max_response_length=4, eval_problems=40, eval_at=(0, 2))
@@ -147,7 +147,7 @@ def test_every_arm_trains_through_verls_registered_loss(model_and_tokenizer, var
 
 
 def test_run_writes_verls_file_logger_format(model_and_tokenizer, tmp_path):
-    from verl_sat.report import load_run
+    from verl_sat.paper.report import load_run
 
     cfg = LoopConfig(steps=2, lag=2, prompts_per_step=2, rollout_n=2, max_response_length=4)
     StudyLoop(cfg, *model_and_tokenizer).run(tmp_path, method="sat_gspo")

@@ -6,8 +6,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from verl_sat.sentinel import SentinelConfig
-from verl_sat.study_stats import bootstrap_ci, final_mean, replay_sentinel
+from verl_sat.study.stats import bootstrap_ci, final_mean, replay_sentinel
+from verl_sat.trainer.sentinel import SentinelConfig
 
 values = st.lists(st.floats(min_value=-10, max_value=10, allow_nan=False), min_size=1, max_size=12)
 

@@ -1,4 +1,4 @@
-"""The supervisor (verl_sat.rollout.supervisor) turns a dead registered process into exit 4,
+"""The supervisor (verl_sat.trainer.supervisor) turns a dead registered process into exit 4,
 also when the driver hears of it first, as Ray's ActorDiedError from the call in flight."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from verl_sat.rollout import supervisor
-from verl_sat.rollout.supervisor import EXIT_PROCESS_DIED, RUN_DIR_ENV, Supervisor
+from verl_sat.trainer import supervisor
+from verl_sat.trainer.supervisor import EXIT_PROCESS_DIED, RUN_DIR_ENV, Supervisor
 
 
 def registered_child(run_dir: Path, monkeypatch: pytest.MonkeyPatch) -> subprocess.Popen:

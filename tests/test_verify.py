@@ -299,9 +299,9 @@ def test_recipe_reward_and_eval_score_with_one_function(tmp_path: Path) -> None:
     from omegaconf import OmegaConf
     from verl.trainer.ppo.reward import get_custom_reward_fn
 
-    from verl_sat import recipes
     from verl_sat.eval.data import Problem
     from verl_sat.eval.sampling import Completion, SamplingConfig, run_eval
+    from verl_sat.paper import grid as recipes
 
     cfg = OmegaConf.create(OmegaConf.to_container(recipes.compose_cell("sat_gspo_r3", 8), resolve=True))
     reward_fn = get_custom_reward_fn(cfg)

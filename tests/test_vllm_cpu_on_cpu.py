@@ -1,4 +1,4 @@
-"""verl_sat.vllm_cpu: the version gate and the live-weights patch, without starting an engine.
+"""verl_sat.cpu.vllm: the version gate and the live-weights patch, without starting an engine.
 
 The patches' end-to-end effect (verl's weight sync reaching vLLM's kernels, routes captured for
 R3) is checked by tests/test_vllm_e2e.py through the trainer.
@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from verl_sat import vllm_cpu
+from verl_sat.cpu import vllm as vllm_cpu
 
 
 def test_version_gate_names_both_versions():

@@ -16,8 +16,8 @@ import pytest
 from test_faults_e2e import command, kill_and_wait, logged_steps, one_error_line, running, wait_for
 from test_main_e2e import assets, check_sat_run, run_main  # noqa: F401  (the session fixture and the launcher)
 
-from verl_sat.accounting import read_jsonl
-from verl_sat.rollout.supervisor import EXIT_PROCESS_DIED
+from verl_sat.trainer.accounting import read_jsonl
+from verl_sat.trainer.supervisor import EXIT_PROCESS_DIED
 
 pytestmark = pytest.mark.e2e
 
@@ -57,7 +57,7 @@ def test_vllm_sync_bf16_rollout_decoupled(assets, tmp_path):  # noqa: F811
 
 def test_vllm_separate_async_lag2_with_r3_then_its_engine_dies(assets, tmp_path):  # noqa: F811
     """separate_async at lag 2 with R3: routes captured by vLLM's CPU MoE kernel
-    (verl_sat.vllm_cpu.capture_cpu_moe_routes) reach the FSDP replay engine through verl's agent loop.
+    (verl_sat.cpu.vllm.capture_cpu_moe_routes) reach the FSDP replay engine through verl's agent loop.
     After two steps, vLLM's engine core (registered through verl-sat's vLLM plugin,
     ``register_vllm_process``) is killed, its server actor left up so that Ray sees nothing: the job
     exits 4 within 60 s with one line naming the replica and the step, recorded in run.json

@@ -9,8 +9,8 @@
 # would swallow the error.
 import verl  # noqa: F401, I001
 
-from verl_sat.config import SATPolicyLossConfig
-from verl_sat.losses import compute_policy_loss_sat, compute_policy_loss_sat_gspo
+from verl_sat.sat.config import SATPolicyLossConfig
+from verl_sat.sat.losses import compute_policy_loss_sat, compute_policy_loss_sat_gspo
 
 __all__ = ["SATPolicyLossConfig", "compute_policy_loss_sat", "compute_policy_loss_sat_gspo"]
 __version__ = "0.1.0"

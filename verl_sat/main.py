@@ -7,7 +7,7 @@ works, e.g. ``verl-sat sat.lag=8`` or ``actor_rollout_ref.actor.policy_loss.loss
 
 What it adds around verl's ``run_ppo``:
 1. ``sat:`` settings validated (``SATRecipeConfig``), ``sat.lag`` mapped onto verl's v1 keys
-   (``verl_sat.schedule``), AsyncSATActor selected (``trainer_mode=sat_<mode>``);
+   (``verl_sat.trainer.recipe``), AsyncSATActor selected (``trainer_mode=sat_<mode>``);
 2. the embedded default (``sat.default_assets``) filling only the keys left null, and every
    path checked before Ray starts;
 3. a run directory (printed at start; ``sat.run_dir=``) with ``run.json`` (the method that ran,
@@ -15,7 +15,7 @@ What it adds around verl's ``run_ppo``:
    its path reaches the Ray workers through the job's runtime environment, ``pass_env_to_ray``);
 4. one progress line per step (step, reward, SAT gate rate, dbar_pi, staleness, seconds) and
    a closing summary, on a console that Ray's and the workers' output does not drown
-   (``verl_sat.console``; ``sat.verbose=true`` shows it).
+   (``verl_sat.trainer.console``; ``sat.verbose=true`` shows it).
 """
 
 from __future__ import annotations
@@ -33,13 +33,13 @@ from typing import Any
 import hydra
 from omegaconf import DictConfig, ListConfig, OmegaConf, open_dict
 
-from verl_sat import auto_lag, job_summary
-from verl_sat.console import CONSOLE_LOG, quiet_console, quiet_sources
-from verl_sat.faults import check_writable, finish_run
-from verl_sat.paper_table import derive_method
-from verl_sat.paths import hydra_config_dir
-from verl_sat.rollout.supervisor import RUN_DIR_ENV, Supervisor
-from verl_sat.schedule import (
+from verl_sat.files import hydra_config_dir
+from verl_sat.paper.table import derive_method
+from verl_sat.trainer import auto_lag
+from verl_sat.trainer import progress as job_summary
+from verl_sat.trainer.console import CONSOLE_LOG, quiet_console, quiet_sources
+from verl_sat.trainer.faults import check_writable, finish_run
+from verl_sat.trainer.recipe import (
     SATRecipeConfig,
     apply_actor,
     apply_lag,
@@ -47,6 +47,7 @@ from verl_sat.schedule import (
     apply_strategy,
     gate_starvation_warning,
 )
+from verl_sat.trainer.supervisor import RUN_DIR_ENV, Supervisor
 
 METRICS_FILE = "metrics.jsonl"
 # Environment the Ray workers need from the driver, passed through Ray's runtime environment too:
@@ -146,11 +147,11 @@ def keep_earlier_metrics(cfg: DictConfig, run_dir: Path, metrics: Path) -> None:
     """A run dir that already holds metrics: resume (keeping them) or refuse.
 
     verl resumes (``trainer.resume_mode`` auto) from the checkpoint its tracker names; a torn
-    tracker is repaired first (``verl_sat.faults.latest_checkpoint``). The rows of the steps after
+    tracker is repaired first (``verl_sat.trainer.faults.latest_checkpoint``). The rows of the steps after
     that checkpoint, which this attempt redoes, move to ``*.superseded.jsonl``, so that
-    ``metrics.jsonl`` and ``samples.jsonl`` hold one row per step (``verl_sat.accounting``).
+    ``metrics.jsonl`` and ``samples.jsonl`` hold one row per step (``verl_sat.trainer.accounting``).
     """
-    from verl_sat import accounting, faults
+    from verl_sat.trainer import accounting, faults
 
     resume = str(cfg.trainer.get("resume_mode", "disable")) == "auto"
     async_mode = str(cfg.trainer.v1.trainer_mode).removeprefix("sat_") != "sync"
@@ -467,17 +468,17 @@ def run(cfg: DictConfig) -> list[dict[str, Any]]:
     if rows:
         print(f"[verl-sat] reward curve: {job_summary.plot_job(rows, run_dir / 'reward.png')}", flush=True)
     if status:
-        raise SystemExit(status)  # a collapsed run never exits 0 (verl_sat.faults.collapse_exit)
+        raise SystemExit(status)  # a collapsed run never exits 0 (verl_sat.trainer.faults.collapse_exit)
     return rows
 
 
 def lag_lines(run_dir: Path, rows: list[dict[str, Any]], sat: SATRecipeConfig) -> list[str]:
     """sat.lag=auto: the broadcasts, also into ``run.json`` (``auto_lag``); a fixed lag: the
-    ``sat.auto_lag.target`` values its staleness levels suggest (``verl_sat.auto_lag.suggestion_line``)."""
+    ``sat.auto_lag.target`` values its staleness levels suggest (``verl_sat.trainer.auto_lag.suggestion_line``)."""
     if sat.lag != auto_lag.AUTO:
         line = auto_lag.suggestion_line(rows)
         return [line] if line else []
-    from verl_sat.faults import update_run_record
+    from verl_sat.trainer.faults import update_run_record
 
     decided = [r for r in rows if auto_lag.BROADCAST_KEY in r]
     broadcasts = sum(bool(r[auto_lag.BROADCAST_KEY]) for r in decided)
@@ -493,7 +494,7 @@ def lag_lines(run_dir: Path, rows: list[dict[str, Any]], sat: SATRecipeConfig) -
 
 
 def announce_console(run_dir: Path, verbose: bool) -> None:
-    """Say where Ray's and the workers' output goes (``verl_sat.console``)."""
+    """Say where Ray's and the workers' output goes (``verl_sat.trainer.console``)."""
     if verbose:
         print("[verl-sat] sat.verbose=true: Ray's and the workers' output shown as it comes", flush=True)
     else:

@@ -12,7 +12,7 @@ import verl_sat.verl_fixes
 # below can keep them from being installed (verl swallows a plugin's errors).
 verl_sat.verl_fixes.install()
 
-import verl_sat.losses  # noqa: E402, F401  (registers "sat" and "sat_gspo")
+import verl_sat.sat.losses  # noqa: E402, F401  (registers "sat" and "sat_gspo")
 
 
 def _register_cpu_and_rollout() -> None:
@@ -33,9 +33,14 @@ _register_cpu_and_rollout()
 
 def _register_sat_trainers() -> None:
     """``trainer.v1.trainer_mode=sat_<mode>`` (AsyncSATActor), once verl's v1 trainers are imported."""
+    import importlib
+
     from verl_sat.hooks import when_imported
 
-    when_imported("verl.trainer.ppo.v1", lambda _module: __import__("verl_sat.actor").actor.register_sat_trainers())
+    def register(_module: object) -> None:
+        importlib.import_module("verl_sat.trainer.actor").register_sat_trainers()
+
+    when_imported("verl.trainer.ppo.v1", register)
 
 
 _register_sat_trainers()

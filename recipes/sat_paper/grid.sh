@@ -12,7 +12,7 @@ MODE=${1:---list}
 [[ $# -gt 0 ]] && shift
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 PYTHON=${PYTHON:-python}
-GRID=$("${PYTHON}" -m verl_sat.recipes --list)
+GRID=$("${PYTHON}" -m verl_sat.paper.grid --list)
 
 case "${MODE}" in
     --list)

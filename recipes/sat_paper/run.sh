@@ -9,7 +9,7 @@
 #
 # Hydra's print-only flags (--cfg/-c, --info/-i, --help/-h, --hydra-help) launch nothing, so they
 # skip the preflight and create no run directory.
-# Methods and lags: python -m verl_sat.recipes --list. Everything the run writes goes to
+# Methods and lags: python -m verl_sat.paper.grid --list. Everything the run writes goes to
 # ${RUNS_ROOT}/<method>-lag<lag>/ (checkpoints/, validation/, metrics.jsonl, hydra/).
 set -euo pipefail
 
@@ -24,7 +24,7 @@ DATA_DIR=${DATA_DIR:-${HOME}/data/sat_math}
 MODEL_PATH=${MODEL_PATH:-Qwen/Qwen3-30B-A3B-Base}
 RUN_DIR=${RUNS_ROOT}/${METHOD}-lag${LAG}
 # algorithm=, stabilizer=, lag=, sat.method=, sat.run_dir= (and trainer.val_only=true for base)
-CELL_OVERRIDES=$("${PYTHON}" -m verl_sat.recipes --overrides "${METHOD}" "${LAG}" --run-dir "${RUN_DIR}")
+CELL_OVERRIDES=$("${PYTHON}" -m verl_sat.paper.grid --overrides "${METHOD}" "${LAG}" --run-dir "${RUN_DIR}")
 mapfile -t CELL <<< "${CELL_OVERRIDES}"
 # The run's data and model (the preflight checks the same config the launch gets).
 PATHS=(

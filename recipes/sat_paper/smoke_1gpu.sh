@@ -56,7 +56,7 @@ stage() {
 }
 
 # LAUNCH := one invocation of verl_sat.main: the cell sat_gspo_r3 (algorithm, stabilizer,
-# sat.method) at sat.lag=2 (verl_sat.schedule derives batch size, parameter_sync_step and warm-up
+# sat.method) at sat.lag=2 (verl_sat.trainer.recipe derives batch size, parameter_sync_step and warm-up
 # from it), scaled down to the tiny model, in run directory $1 until global step $2; then the
 # stage's overrides and the user's ($3...).
 launch() {

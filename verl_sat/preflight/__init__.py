@@ -2,8 +2,8 @@
 
 ``python -m verl_sat.preflight <method> <lag> [--run-dir DIR] [--json] [hydra overrides...]``
 (Hydra's own flags such as ``--cfg job`` among the overrides are left to Hydra)
-resolves the cell exactly as ``recipes/sat_paper/run.sh`` launches it (``verl_sat.recipes``
-composes it, then ``verl_sat.schedule`` maps ``sat.lag`` / ``sat.routing_replay`` onto verl's keys
+resolves the cell exactly as ``recipes/sat_paper/run.sh`` launches it (``verl_sat.paper.grid``
+composes it, then ``verl_sat.trainer.recipe`` maps ``sat.lag`` / ``sat.routing_replay`` onto verl's keys
 as ``verl_sat.main`` does), gathers the node's facts once (``probe``) and runs pure checks
 ``(config, facts) -> findings`` over them. Every failure is one line naming the key or package
 and the fix; the exit code is 1 when any check fails. ``run.sh`` runs it before the launch

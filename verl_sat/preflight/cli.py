@@ -20,10 +20,10 @@ from verl_sat.preflight.probe import probe
 # the config, as run.sh launches it
 # ---------------------------------------------------------------------------------------------
 def resolve_cell(method: str, lag: int, overrides: Sequence[str] = (), run_dir: str | None = None) -> DictConfig:
-    """The cell's config as ``verl_sat.main`` hands it to verl: composed by ``verl_sat.recipes``,
-    ``sat.*`` mapped by ``verl_sat.schedule`` (lag, actor, routing replay), then resolved."""
-    from verl_sat.recipes import compose_cell
-    from verl_sat.schedule import SATRecipeConfig, apply_actor, apply_lag, apply_routing_replay
+    """The cell's config as ``verl_sat.main`` hands it to verl: composed by ``verl_sat.paper.grid``,
+    ``sat.*`` mapped by ``verl_sat.trainer.recipe`` (lag, actor, routing replay), then resolved."""
+    from verl_sat.paper.grid import compose_cell
+    from verl_sat.trainer.recipe import SATRecipeConfig, apply_actor, apply_lag, apply_routing_replay
 
     extra = ([f"sat.run_dir={run_dir}"] if run_dir else []) + list(overrides)
     cfg = compose_cell(method, lag, overrides=extra)
@@ -108,7 +108,7 @@ def _parser() -> argparse.ArgumentParser:
         prog="python -m verl_sat.preflight",
         description="Check a cell of the paper's grid against this node before launching it (docs/reproduce.md).",
     )
-    parser.add_argument("method", help="a Table-1 method (python -m verl_sat.recipes --list)")
+    parser.add_argument("method", help="a Table-1 method (python -m verl_sat.paper.grid --list)")
     parser.add_argument("lag", type=int, help="the lag (1 or 8)")
     parser.add_argument(
         "hydra_overrides",

@@ -7,7 +7,7 @@ alone (and as verl's training forward uses). ``should_abort`` is polled before e
 an abort returns the tokens generated so far with ``stop_reason="aborted"``.
 
 With ``record_routes`` on (``rollout.enable_rollout_routing_replay``), each result also carries
-the MoE routing of its sequence in SGLang's ``routed_experts`` layout (``verl_sat.routing_replay``).
+the MoE routing of its sequence in SGLang's ``routed_experts`` layout (``verl_sat.routing.gates``).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import torch
 
 from verl_sat.rollout.sampling import RowSampling, SamplingParams, sample_next
 from verl_sat.rollout.weights import load_named_tensors
-from verl_sat.routing_replay import perturb_routing, record_routes
+from verl_sat.routing.gates import perturb_routing, record_routes
 
 
 @dataclass

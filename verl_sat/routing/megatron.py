@@ -11,7 +11,7 @@ hook on every router recomputes the router's own choice from the same input,
 
 and counts, per MoE layer and routed row t, whether ``R_t`` was replayed (verl's replay mask,
 all rows when it has none) and whether ``set(own_t) == set(R_t)``. The metrics are the FSDP
-replay engine's (``verl_sat.routing_replay.RouteCounts``):
+replay engine's (``verl_sat.routing.gates.RouteCounts``):
 
     actor/routing_replay/replayed_frac = replayed rows / routed rows
     actor/routing_replay/topk_agreement = replayed rows with own_t = R_t / replayed rows
@@ -20,9 +20,9 @@ Routed rows are the rows the router sees: with packed sequences (thd) that inclu
 alignment rows verl pads with, which are never replayed, so ``replayed_frac`` sits slightly
 below 1 under R3 (verl also leaves each response's final row to the router).
 
-The hook adds one small matmul per MoE layer in replayed forwards only. The engine is verl's
-``MegatronEngineWithLMHead``, registered under :data:`ENGINE_VENDOR` (verl's engine registry);
-``enable_on_worker`` selects it for a Megatron actor with R2/R3.
+The hook adds one small matmul per MoE layer in replayed forwards only. :class:`MegatronRouteMetrics`
+is mixed over verl's ``MegatronEngineWithLMHead`` by ``verl_sat.trainer.engines`` for a Megatron
+actor with R2/R3.
 """
 
 from __future__ import annotations
@@ -31,12 +31,7 @@ from typing import Any
 
 import torch
 
-from verl_sat.routing_replay import RouteCounts
-
-ENGINE_VENDOR = "verl_sat_megatron_routes"
-"""The vendor key the engine is registered under; ``VERL_ENGINE_VENDOR`` selects it."""
-
-_ENGINE_CLS: type | None = None
+from verl_sat.routing.gates import RouteCounts
 
 
 def megatron_replay_mode(actor_config: Any) -> str:
@@ -100,37 +95,23 @@ class RouteAgreementHooks:
             self.counts.add(own, target, replayed, routed)
 
 
-def megatron_routes_engine() -> type:
-    """verl's ``MegatronEngineWithLMHead`` that reports the routing metrics of its replayed forwards.
+class MegatronRouteMetrics:
+    """Mixed over ``MegatronEngineWithLMHead``: the routing metrics of its replayed forwards.
 
     Per ``forward_backward_batch`` a fresh :class:`RouteCounts`; when verl replayed routes in it
     (R3: every actor pass; R2: the update), the two metrics join the output's ``metrics``, one
     value per call, beside verl's own loss metrics.
     """
-    global _ENGINE_CLS
-    if _ENGINE_CLS is not None:
-        return _ENGINE_CLS
-    from verl.workers.engine.base import EngineRegistry
-    from verl.workers.engine.megatron.transformer_impl import MegatronEngineWithLMHead
 
-    class MegatronRoutesEngine(MegatronEngineWithLMHead):
-        """See :func:`megatron_routes_engine`."""
+    _routes_hooks: RouteAgreementHooks | None = None
 
-        _routes_hooks: RouteAgreementHooks | None = None
-
-        def forward_backward_batch(self, data: Any, loss_function: Any, forward_only: bool = False) -> Any:
-            if self._routes_hooks is None:
-                self._routes_hooks = RouteAgreementHooks(list(self.module))
-            self._routes_hooks.counts = RouteCounts()
-            output = super().forward_backward_batch(data, loss_function, forward_only)
-            values = self._routes_hooks.counts.metrics()
-            if values and isinstance(output, dict):
-                metrics = output.setdefault("metrics", {})
-                metrics.update({k: [v] for k, v in values.items()})
-            return output
-
-    EngineRegistry.register(
-        model_type="language_model", backend="megatron", device=["cuda", "npu"], vendor=ENGINE_VENDOR
-    )(MegatronRoutesEngine)
-    _ENGINE_CLS = MegatronRoutesEngine
-    return MegatronRoutesEngine
+    def forward_backward_batch(self, data: Any, loss_function: Any, forward_only: bool = False) -> Any:
+        if self._routes_hooks is None:
+            self._routes_hooks = RouteAgreementHooks(list(self.module))  # type: ignore[attr-defined]
+        self._routes_hooks.counts = RouteCounts()
+        output = super().forward_backward_batch(data, loss_function, forward_only)  # type: ignore[misc]
+        values = self._routes_hooks.counts.metrics()
+        if values and isinstance(output, dict):
+            metrics = output.setdefault("metrics", {})
+            metrics.update({k: [v] for k, v in values.items()})
+        return output

@@ -97,7 +97,7 @@ def alive(pid: int) -> bool:
 
 def last_step(run_dir: Path) -> int:
     """The last global step in ``metrics.jsonl`` (0 if none)."""
-    from verl_sat.accounting import read_jsonl
+    from verl_sat.trainer.accounting import read_jsonl
 
     rows = read_jsonl(run_dir / "metrics.jsonl")
     return max((int(r["step"]) for r in rows), default=0)
@@ -105,7 +105,7 @@ def last_step(run_dir: Path) -> int:
 
 def in_flight(run_dir: Path) -> int:
     """Prompts handed to the rollout and not yet trained, from ``samples.jsonl``."""
-    from verl_sat.accounting import read_jsonl
+    from verl_sat.trainer.accounting import read_jsonl
 
     handed, trained = set(), set()
     for row in read_jsonl(run_dir / "samples.jsonl"):
@@ -142,7 +142,7 @@ class Supervisor(threading.Thread):
     def finished(self) -> bool:
         """Training is over (the last step is logged, or the sentinel gave its verdict): verl may
         now stop its actors, which is no fault."""
-        from verl_sat.faults import read_sentinel_record
+        from verl_sat.trainer.faults import read_sentinel_record
 
         if self.total_steps is not None and last_step(self.run_dir) >= int(self.total_steps):
             return True
@@ -159,7 +159,7 @@ class Supervisor(threading.Thread):
         return None
 
     def describe(self, failure: dict[str, Any]) -> str:
-        from verl_sat.faults import read_tracker
+        from verl_sat.trainer.faults import read_tracker
 
         checkpoints = self.run_dir / "checkpoints"
         kept = read_tracker(checkpoints)
@@ -172,7 +172,7 @@ class Supervisor(threading.Thread):
 
     def report(self, failure: dict[str, Any]) -> None:
         """One error line, and the fault in ``run.json``."""
-        from verl_sat.faults import update_run_record
+        from verl_sat.trainer.faults import update_run_record
 
         self.failure = failure
         print(self.describe(failure), flush=True)

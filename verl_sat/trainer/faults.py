@@ -278,7 +278,7 @@ def collapse_exit(record: dict[str, Any] | None) -> tuple[int, str | None]:
 def finish_run(run_dir: Path, log: Any = print) -> int:
     """After verl's trainer returns (or fails): one metrics timeline, the sample accounting and the
     sentinel's record in ``run.json``, their lines on the console; returns the exit status."""
-    from verl_sat import accounting
+    from verl_sat.trainer import accounting
 
     accounting.finish_metrics(run_dir)
     samples = accounting.summarize(run_dir)

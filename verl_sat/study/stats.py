@@ -18,7 +18,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from verl_sat.sentinel import CollapseSentinel, SentinelConfig
+from verl_sat.trainer.sentinel import CollapseSentinel, SentinelConfig
 
 FINAL_FRAC = 0.25
 Rows = Sequence[Mapping[str, Any]]
@@ -57,7 +57,7 @@ def cpu_sentinel_config() -> SentinelConfig:
     """The CPU default's ``sat.sentinel`` (``hydra_configs/sat_gspo_cpu.yaml``), as the main job runs it."""
     from omegaconf import OmegaConf
 
-    from verl_sat.paths import hydra_config_dir
+    from verl_sat.files import hydra_config_dir
 
     return SentinelConfig.from_node(OmegaConf.load(Path(hydra_config_dir()) / "sat_gspo_cpu.yaml").sat.sentinel)
 

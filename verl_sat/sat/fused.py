@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-from verl_sat.sat_rule import SATFactors, kernel_psi, padded_factors, quantile_rank
+from verl_sat.sat.rule import SATFactors, kernel_psi, padded_factors, quantile_rank
 
 LOG_RATIO_CLAMP = 20.0  # verl's vanilla clamps log r to [-20, 20] before exp
 GSPO_LOG_RATIO_MAX = 10.0  # verl's gspo clamps log s_{b,t} at 10 before exp

@@ -5,7 +5,7 @@ diagnostics (SPEC §5). ``old_log_prob`` is the ratio's denominator: in the asyn
 the rollout engine's log-prob mu (SPEC §4), so d = log pi_j - log mu carries the staleness.
 With ``sat_score_against=rollout_log_probs`` (SPEC §4's decoupled option) the ratio keeps
 ``old_log_prob`` and the score d takes mu from ``LossContext``, which verl-sat's worker loss
-(``verl_sat.actor.sat_ppo_loss``) opens around each call; the context also carries the gate back
+(``verl_sat.trainer.actor.sat_ppo_loss``) opens around each call; the context also carries the gate back
 out, so per-staleness metrics need no second quantile.
 
 Paper: https://arxiv.org/abs/2607.18722 (SAT); GSPO: https://arxiv.org/abs/2507.18071
@@ -23,9 +23,9 @@ import torch
 from verl.trainer.ppo import core_algos
 from verl.trainer.ppo.core_algos import agg_loss, compute_policy_loss_gspo, compute_policy_loss_vanilla
 
-from verl_sat.config import POLICY_LOSS_KEY, SATPolicyLossConfig, sat_settings
-from verl_sat.fused import StepScore, Surrogate, sequence_surrogate, token_surrogate
-from verl_sat.sat_rule import SATFactors
+from verl_sat.sat.config import POLICY_LOSS_KEY, SATPolicyLossConfig, sat_settings
+from verl_sat.sat.fused import StepScore, Surrogate, sequence_surrogate, token_surrogate
+from verl_sat.sat.rule import SATFactors
 
 
 # ---------------------------------------------------------------------------------------------
@@ -78,11 +78,11 @@ def _disabled(base_fn, args: tuple, mask: torch.Tensor) -> tuple[torch.Tensor, d
 # ---------------------------------------------------------------------------------------------
 @dataclass
 class LossContext:
-    """Opened by ``verl_sat.actor.sat_ppo_loss`` around one call of verl's ``ppo_loss``.
+    """Opened by ``verl_sat.trainer.actor.sat_ppo_loss`` around one call of verl's ``ppo_loss``.
 
     In: ``rollout_log_prob`` = log mu, padded like ``old_log_prob`` (None: not in the batch);
     ``step_q`` = the optimizer step's batch reference q and ``score_log_prob`` = log pi of the
-    score at the step's weights, both from ``verl_sat.step_quantile`` (None: not computed);
+    score at the step's weights, both from ``verl_sat.sat.step_q`` (None: not computed);
     ``whole_step``: this micro-batch is the whole optimizer step (its own q is the step's).
     Out: the ``gate`` the SAT loss applied (None for other losses and with SAT off).
     """

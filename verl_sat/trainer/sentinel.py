@@ -46,7 +46,7 @@ the new normal (were the low rewards to enter H_R, its MAD would grow and the ba
 within about ten steps). A slow decline, one step at a time inside the band, moves the band
 with it and is not this signature.
 
-Pure Python + numpy: nothing here imports verl. ``verl_sat.actor.SATTrainerMixin`` runs it on
+Pure Python + numpy: nothing here imports verl. ``verl_sat.trainer.actor.SATTrainerMixin`` runs it on
 the trainer.
 """
 
@@ -506,7 +506,7 @@ class SentinelTrainerMixin:
 
     def _sentinel_schedule_rollback(self, event: SentinelEvent, metrics: dict) -> str:
         """Pick the newest checkpoint saved before the onset; "stop" if none or out of rollbacks."""
-        from verl_sat.faults import read_tracker
+        from verl_sat.trainer.faults import read_tracker
 
         config = self._sat_sentinel.config
         if len(self._sat_rollbacks) >= config.max_rollbacks:
@@ -577,7 +577,7 @@ class SentinelTrainerMixin:
         """After a rollback, halve the lag (``sat.sentinel.after_rollback=halve_lag``; SPEC §1).
 
         In separate_async one global step holds ``parameter_sync_step`` optimizer steps over as
-        many mini-batches (``verl_sat.schedule.apply_lag``). verl's step reads both numbers below
+        many mini-batches (``verl_sat.trainer.recipe.apply_lag``). verl's step reads both numbers below
         every global step, so from the next one on the weights reach the rollout twice as often.
         Returns ``{key: (old, new)}`` ({} when the lag is already 1 or the rule is off).
         """

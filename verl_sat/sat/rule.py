@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from verl_sat.quantile import exact_quantile, quantile_rank
+from verl_sat.sat.quantile import exact_quantile, quantile_rank
 
 # Integer/low-precision dtypes are selected in fp32: every bf16/fp16 value is exact in fp32,
 # so the selected element, cast back, is bit-exact.
@@ -40,7 +40,7 @@ def masked_quantile(x: torch.Tensor, mask: torch.Tensor, alpha: float) -> torch.
 
     The smallest v in x[mask] with #{x[mask] <= v} / n >= alpha, i.e. the k-th smallest with
     k = ceil(alpha n), by the exact radix selection that also serves the optimizer step's q
-    across ranks (``verl_sat.quantile``). The losses select with ``top_m`` instead, whose
+    across ranks (``verl_sat.sat.quantile``). The losses select with ``top_m`` instead, whose
     indices are the gate's candidates. Returns 0 when mask is empty.
     """
     return exact_quantile(x[mask.bool()], alpha)

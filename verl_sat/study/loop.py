@@ -8,14 +8,14 @@ second after the first import):
 
     after every n-th optimizer step: rollout <- trainer weights          (the lag n, SPEC §1)
         (``auto_lag``: after a step whose signal exceeds ``auto_target``, within [auto_min, lag],
-        the rule of verl_sat.auto_lag, the same object the trainer uses)
+        the rule of verl_sat.trainer.auto_lag, the same object the trainer uses)
     y ~ mu: the CPU trainer's own HF rollout engine (verl_sat.rollout.engine.HFEngine), with its
         mismatch knobs: fixed logit bias, i.i.d. logit noise, fixed router bias, router noise;
         the batch of step j+1 is drawn while step j trains (one batch in flight, as verl's
         separate_async with num_warmup_batches = 1/n), so its staleness is in [1, n]
     R(y) = the default's rule reward (verl_sat.default.reward.compute_score)
     A = verl's GRPO outcome advantage (core_algos.compute_grpo_outcome_advantage)
-    log pi = the trainer's forward (R3: the rollout's routes replayed, verl_sat.routing_replay)
+    log pi = the trainer's forward (R3: the rollout's routes replayed, verl_sat.routing.gates)
     loss = verl's registered policy loss (core_algos.get_policy_loss_fn), ratio against
         old = log mu                          (bypass, as the CPU default: SPEC §4), or, for a
         rollout correction (TIS, IcePop, geometric sequence rejection: verl's rollout_corr_helper),
@@ -31,7 +31,7 @@ of the last broadcast, n * floor((j - 1) / n): staleness j - n * floor((j - 1) /
 after the broadcast, staleness j mod n in [0, n - 1]). Metrics use verl's names (``critic/score/mean``,
 ``actor/mismatch_abs_mean`` = dbar_pi, ``actor/sat_gate_rate``, ``actor/grad_norm``,
 ``actor/entropy``) and are written as verl's file logger does (``{"step", "data"}`` per line), so
-``verl_sat.report`` and the collapse sentinel read them unchanged.
+``verl_sat.paper.report`` and the collapse sentinel read them unchanged.
 
 What it does not exercise: verl's distributed pieces (Ray, FSDP, the v1 trainer's scheduling,
 weight sync). Those are covered by the e2e tests through the real trainer.
@@ -82,7 +82,7 @@ class LoopConfig:
     lag: int = 1
     """optimizer steps between weight broadcasts (the paper's n)"""
     auto_lag: bool = False
-    """broadcast by verl_sat.auto_lag's rule instead of every ``lag`` steps; ``lag`` is then its max"""
+    """broadcast by verl_sat.trainer.auto_lag's rule instead of every ``lag`` steps; ``lag`` is then its max"""
     auto_target: float = 0.02
     auto_min: int = 1
     auto_signal: str = "dbar_pi"
@@ -155,7 +155,7 @@ class LoopConfig:
 
     def auto_lag_config(self) -> Any:
         """The trainer's ``AutoLagConfig`` of this loop's auto_* fields (``lag`` is its max)."""
-        from verl_sat.auto_lag import AutoLagConfig
+        from verl_sat.trainer.auto_lag import AutoLagConfig
 
         return AutoLagConfig(
             target=self.auto_target, min=self.auto_min, max=self.lag, signal=self.auto_signal, fresh=self.auto_fresh
@@ -256,8 +256,8 @@ def sat_activity(
     SAT can change an update only through intercepted tokens, which need q < log(1 + eps_high)
     for the positive side: ``study/q_below_radius`` says whether it is.
     """
-    from verl_sat.losses import masked_mean
-    from verl_sat.sat_rule import intercepted, sat_factors
+    from verl_sat.sat.losses import masked_mean
+    from verl_sat.sat.rule import intercepted, sat_factors
 
     d, log_r = log_prob - mu, log_prob - old
     if cfg.loss_mode in SEQUENCE_LEVEL:
@@ -397,7 +397,7 @@ class StudyLoop:
     def log_probs(self, batch: Batch, model: Any = None) -> tuple[torch.Tensor, torch.Tensor]:
         """(log pi (B, R), token entropy (B, R)) of the response tokens under ``model``'s weights
         (default: the trainer's)."""
-        from verl_sat.routing_replay import replay_routes
+        from verl_sat.routing.gates import replay_routes
 
         model = self.policy if model is None else model
         positions = (batch.attention_mask.cumsum(-1) - 1).clamp(min=0)
@@ -420,7 +420,7 @@ class StudyLoop:
         """One optimizer step on ``batch`` with the arm's registered loss; returns verl-named metrics."""
         from verl.trainer.ppo import core_algos
 
-        from verl_sat.losses import loss_context, masked_mean
+        from verl_sat.sat.losses import loss_context, masked_mean
 
         cfg, mask = self.cfg, batch.response_mask
         rewards = torch.zeros_like(mask)
@@ -508,7 +508,7 @@ class StudyLoop:
                 meta["auto_lag"] = dict(self.cfg.auto_lag_config().__dict__)
             (out / "run.json").write_text(json.dumps(meta, indent=2))
             sink = (out / METRICS_FILE).open("w")
-        from verl_sat.auto_lag import BROADCAST_KEY, AutoLag, signal_of
+        from verl_sat.trainer.auto_lag import BROADCAST_KEY, AutoLag, signal_of
 
         lag, in_flight = self.cfg.lag, self.cfg.staleness == "trainer"
         gate = AutoLag(self.cfg.auto_lag_config()) if self.cfg.auto_lag else None

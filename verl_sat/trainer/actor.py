@@ -20,9 +20,9 @@ So verl-sat adds three small pieces, all through public seams:
    ``sat_separate_async``). Each one behaves exactly as verl's ``<mode>``. Each step's metrics
    also carry verl's replay-buffer eviction counters, 0 when nothing was evicted
    (``fill_eviction_counters``).
-2. ``sat_worker_class`` (on the actor worker): after verl's ``init_model``, replaces the
-   installed loss function with ``sat_ppo_loss``; before it, selects the routing-replay FSDP
-   engine when ``actor.fsdp_config.router_replay.mode`` asks for R2/R3 (``verl_sat.routing_replay``).
+2. ``AsyncSATActor`` (on the actor worker, ``sat.actor_class``): before verl's ``init_model`` it
+   selects the engine mixins the actor needs (``verl_sat.trainer.engines``: the step's q, routing
+   replay); after it, replaces the installed loss function with ``sat_ppo_loss``.
 3. ``sat_ppo_loss``: calls verl's own ``ppo_loss`` with the sample staleness published through
    ``current_staleness()``, then adds the SAT diagnostics broken down by staleness:
    ``actor/sat_by_staleness/<s>/{token_frac, gate_rate, mismatch_abs_mean}``, and
@@ -33,8 +33,8 @@ So verl-sat adds three small pieces, all through public seams:
    |old_log_prob - rollout_log_prob| over active tokens (0: the ratio is against mu, SPEC §4).
 
 The Megatron engine uses the same worker classes (``ActorRolloutRefWorker`` /
-``DetachActorWorker``) and the same ``ppo_loss`` seam, so this code path is engine-agnostic. It
-has not been run on Megatron here: Megatron cannot be imported on these CPU machines.
+``DetachActorWorker``) and the same ``ppo_loss`` seam, so this code path is engine-agnostic; it
+runs on verl's Megatron engine on CPU (``tests/test_megatron_e2e.py``).
 """
 
 from __future__ import annotations
@@ -50,10 +50,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from verl_sat.accounting import SampleAccountingMixin
-from verl_sat.auto_lag import AutoLagTrainerMixin
-from verl_sat.faults import FaultMixin, scale_lr
-from verl_sat.sentinel import SentinelTrainerMixin
+from verl_sat.trainer.accounting import SampleAccountingMixin
+from verl_sat.trainer.auto_lag import AutoLagTrainerMixin
+from verl_sat.trainer.engines import enable_step_q, engine_mixins, register_engine
+from verl_sat.trainer.faults import FaultMixin, scale_lr
+from verl_sat.trainer.sentinel import SentinelTrainerMixin
 
 STALENESS_FIELD = "sat_staleness"
 STALENESS_BUCKETS = 33  # per-staleness metrics for s = 0..31; bucket 32 holds s >= 32
@@ -140,8 +141,8 @@ def staleness_breakdown(
     (``LossContext``); without it (SAT off, or another loss) the gate SAT would apply is
     computed here. ``finish_staleness_breakdown`` turns the step's sums into rates.
     """
-    from verl_sat.config import sat_settings
-    from verl_sat.sat_rule import sat_factors
+    from verl_sat.sat.config import sat_settings
+    from verl_sat.sat.rule import sat_factors
 
     mask = response_mask.bool()
     if int(mask.sum()) == 0:
@@ -221,8 +222,8 @@ def sat_ppo_loss(config: Any, model_output: Any, data: Any, dp_group: Any = None
     from verl.workers.utils.losses import ppo_loss
     from verl.workers.utils.padding import no_padding_2_padding
 
-    from verl_sat.losses import loss_context, mu_log_prob
-    from verl_sat.step_quantile import WHOLE_STEP_KEY
+    from verl_sat.sat.losses import loss_context, mu_log_prob
+    from verl_sat.sat.step_q import WHOLE_STEP_KEY
 
     staleness = data[STALENESS_FIELD] if STALENESS_FIELD in data.keys() else None
     if staleness is not None:
@@ -261,7 +262,7 @@ def step_gate_rate(data: Any, gate: torch.Tensor) -> Any:
     from verl.utils import tensordict_utils as tu
     from verl.utils.metric import AggregationType, Metric
 
-    from verl_sat.step_quantile import STEP_TOKENS_KEY
+    from verl_sat.sat.step_q import STEP_TOKENS_KEY
 
     n_step = int(tu.get_non_tensor_data(data, key=STEP_TOKENS_KEY, default=0))
     dp_size = int(tu.get_non_tensor_data(data, key="dp_size", default=1) or 1)
@@ -270,14 +271,14 @@ def step_gate_rate(data: Any, gate: torch.Tensor) -> Any:
 
 
 def step_inputs(data: Any, old: torch.Tensor) -> tuple[float | None, torch.Tensor | None, dict[str, float]]:
-    """The step's q and the score's log pi that ``verl_sat.step_quantile`` put in the micro-batch.
+    """The step's q and the score's log pi that ``verl_sat.sat.step_q`` put in the micro-batch.
 
     Returns (q, padded score log pi, metrics); (None, None, {}) when no scoring pass ran.
     """
     from verl.utils import tensordict_utils as tu
     from verl.workers.utils.padding import no_padding_2_padding
 
-    from verl_sat import step_quantile as sq
+    from verl_sat.sat import step_q as sq
 
     step_q = tu.get_non_tensor_data(data, key=sq.STEP_Q_KEY, default=None)
     if step_q is None:
@@ -299,47 +300,73 @@ def install_sat_loss(worker: Any) -> None:
     if isinstance(loss_fn, partial) and getattr(loss_fn.func, "__name__", "") == "ppo_loss":
         worker.loss_fn = partial(sat_ppo_loss, **loss_fn.keywords)
         worker.actor.set_loss_fn(worker.loss_fn)
-        from verl_sat.step_quantile import enable_step_quantile
-
-        enable_step_quantile(worker.actor.engine, loss_fn.keywords["config"])
+        enable_step_q(worker.actor.engine, loss_fn.keywords["config"])
 
 
-def sat_worker_class(remote_cls: Any) -> Any:
-    """ray.remote(SAT<Worker>): verl's worker whose ``init_model`` then installs ``sat_ppo_loss``.
+class AsyncSATActor:
+    """SAT's actor worker: verl's own actor worker class with SAT's loss, engine and supervision.
 
-    The override is registered with the same dispatch attributes as verl's ``init_model``
+    ``sat.actor_class`` names it (the default) or a subclass of it; ``SATTrainerMixin`` mixes it
+    over the worker class verl maps each actor role to (``ActorRolloutRefWorker``,
+    ``DetachActorWorker``), so verl's dispatch, placement and engine code run unchanged. Override
+    a method and call ``super()`` to extend it.
+    """
+
+    def init_model(self) -> None:
+        """Select the actor's engine mixins, run verl's ``init_model``, then install ``sat_ppo_loss``."""
+        from verl_sat import routing
+
+        if "actor" in getattr(self, "role", "actor"):
+            routing.prepare_worker(self)
+            register_engine(str(self.config.actor.strategy), engine_mixins(self.config.actor))  # type: ignore[attr-defined]
+        super().init_model()  # type: ignore[misc]
+        install_sat_loss(self)
+        from verl_sat.trainer.supervisor import register
+
+        register("trainer worker", f"rank{os.environ.get('RANK', 0)}")  # watched by the driver's supervisor
+
+    def sat_scale_lr(self, factor: float) -> list[float]:
+        """Multiply every optimizer group's lr by ``factor`` (the lr-spike fault, ``verl_sat.trainer.faults``)."""
+        return scale_lr(self, factor)
+
+
+def sat_worker_class(remote_cls: Any, actor_class: type[AsyncSATActor] = AsyncSATActor) -> Any:
+    """``ray.remote(SAT<Worker>(actor_class, <Worker>))`` for verl's ``ray.remote(<Worker>)``.
+
+    ``init_model`` is registered with the same dispatch attributes as verl's
     (``verl.single_controller.base.decorator.register``), so the worker group exposes it.
     """
     import ray
     from verl.single_controller.base.decorator import MAGIC_ATTR, Dispatch, register
 
     base = remote_cls.__ray_actor_class__
-
-    def init_model(self: Any) -> None:
-        from verl_sat.routing_replay import enable_on_worker
-
-        enable_on_worker(self)  # FSDP routing replay (R2/R3): verl_sat.routing_replay
-        super(cls, self).init_model()
-        install_sat_loss(self)
-        from verl_sat.rollout.supervisor import register
-
-        register("trainer worker", f"rank{os.environ.get('RANK', 0)}")  # watched by the driver's supervisor
-
-    init_model.__doc__ = "``enable_on_worker`` (routing replay), verl's init_model, then ``install_sat_loss``."
-
-    def sat_scale_lr(self: Any, factor: float) -> list[float]:
-        return scale_lr(self, factor)  # the lr-spike fault (verl_sat.faults)
-
     cls = type(
         f"SAT{base.__name__}",
-        (base,),
+        (actor_class, base),
         {
-            "__module__": __name__,
-            "init_model": register(**getattr(base.init_model, MAGIC_ATTR))(init_model),
-            "sat_scale_lr": register(dispatch_mode=Dispatch.ONE_TO_ALL)(sat_scale_lr),
+            "__module__": actor_class.__module__,
+            "init_model": register(**getattr(base.init_model, MAGIC_ATTR))(actor_class.init_model),
+            "sat_scale_lr": register(dispatch_mode=Dispatch.ONE_TO_ALL)(actor_class.sat_scale_lr),
         },
     )
     return ray.remote(cls)
+
+
+def actor_class_of(config: Any) -> type[AsyncSATActor]:
+    """The class ``sat.actor_class`` names (a dotted path): AsyncSATActor or a subclass of it."""
+    import importlib
+
+    path = str(((config.get("sat") if hasattr(config, "get") else None) or {}).get("actor_class") or "")
+    if not path:
+        return AsyncSATActor
+    module, _, name = path.rpartition(".")
+    try:
+        cls = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError, ValueError) as error:
+        raise ValueError(f"sat.actor_class={path!r} cannot be imported: {error}") from error
+    if not (isinstance(cls, type) and issubclass(cls, AsyncSATActor)):
+        raise ValueError(f"sat.actor_class={path!r} is not a subclass of verl_sat.trainer.actor.AsyncSATActor")
+    return cls
 
 
 class SATTrainerMixin(SentinelTrainerMixin, AutoLagTrainerMixin, SampleAccountingMixin, FaultMixin):
@@ -361,13 +388,14 @@ class SATTrainerMixin(SentinelTrainerMixin, AutoLagTrainerMixin, SampleAccountin
         super()._init_resource_pool_mgr()  # type: ignore[misc]
         from verl.trainer.ppo.utils import Role
 
+        actor_class = actor_class_of(self.config)  # type: ignore[attr-defined]
         for role in (Role.Actor, Role.ActorRollout, Role.ActorRolloutRef):
             if role in self.role_worker_mapping:
-                self.role_worker_mapping[role] = sat_worker_class(self.role_worker_mapping[role])
+                self.role_worker_mapping[role] = sat_worker_class(self.role_worker_mapping[role], actor_class)
 
     def _update_actor(self, batch: Any, metrics: dict) -> Any:
         batch = super()._update_actor(self._put_staleness(batch, metrics), metrics)  # type: ignore[misc]
-        self._auto_lag_observe(metrics, batch.tags)  # sat.lag=auto: this step's signal (verl_sat.auto_lag)
+        self._auto_lag_observe(metrics, batch.tags)  # sat.lag=auto: this step's signal (verl_sat.trainer.auto_lag)
         return batch
 
     def _put_staleness(self, batch: Any, metrics: dict) -> Any:
@@ -391,7 +419,7 @@ class SATTrainerMixin(SentinelTrainerMixin, AutoLagTrainerMixin, SampleAccountin
             batch = dataclasses.replace(batch, fields=[*batch.fields, STALENESS_FIELD])
         return batch
 
-    # -- the sentinel, sample accounting and faults (verl_sat.sentinel, .accounting, .faults) -----
+    # -- the sentinel, sample accounting and faults (verl_sat.trainer.sentinel, .accounting, .faults) -----
     # verl's fit loop, per global step t: step() -> save checkpoint -> on_step_end (weight sync)
     # -> _compute_metrics (the reward appears here) -> logger.log -> global_steps += 1.
     def _compute_metrics(self, batch: Any, metrics: dict, timing_raw: dict, global_steps: int, epoch: int) -> None:

@@ -1,0 +1,2 @@
+"""The studies' in-process asynchronous RL loop, its statistics and the harness that runs many
+seeds in worker processes (docs/study.md)."""
