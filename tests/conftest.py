@@ -81,7 +81,7 @@ def random_batch(
 def cached_default_assets() -> Path:
     """The default job's assets (full warm-up) in the user cache that `verl-sat` itself uses:
     built once per machine (~3 min, under a lock), then reused by every test and run."""
-    from verl_sat.main import build_assets_once, default_assets_dir
+    from verl_sat.default.assets import build_assets_once, default_assets_dir
 
     assets = default_assets_dir()
     build_assets_once(assets)

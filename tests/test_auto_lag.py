@@ -14,6 +14,7 @@ from test_main_on_cpu import assets, cpu_cfg, no_build, restore_environ  # noqa:
 from test_schedule_on_cpu import v1_config
 
 from verl_sat import main
+from verl_sat.trainer import progress
 from verl_sat.trainer.auto_lag import (
     BROADCAST_KEY,
     LAG_KEY,
@@ -227,12 +228,12 @@ def test_the_console_and_run_json_show_the_broadcasts(tmp_path):
         {"step": 2, BROADCAST_KEY: 1.0, LAG_KEY: 2.0},
         {"step": 3, BROADCAST_KEY: 1.0, LAG_KEY: 1.0},
     ]
-    assert main.progress_line(rows[1]).endswith("| lag 2 -> broadcast")
-    assert main.progress_line(rows[0]).endswith("| lag 1")
-    assert "lag" not in main.progress_line({"step": 1}).split("|")[-1]
+    assert progress.progress_line(rows[1]).endswith("| lag 2 -> broadcast")
+    assert progress.progress_line(rows[0]).endswith("| lag 1")
+    assert "lag" not in progress.progress_line({"step": 1}).split("|")[-1]
     (tmp_path / "run.json").write_text("{}")
     sat = SATRecipeConfig.from_node({"lag": "auto", "auto_lag": {"target": 0.03, "max": 4}})
-    (line,) = main.lag_lines(tmp_path, rows, sat)
+    (line,) = progress.lag_lines(tmp_path, rows, sat)
     assert "2 broadcasts in 3 optimizer steps, mean lag 1.50" in line and "dbar_pi > 0.03" in line
     record = json.loads((tmp_path / "run.json").read_text())["auto_lag"]
     assert record["broadcasts"] == 2 and record["lags"] == [2, 1] and record["max"] == 4

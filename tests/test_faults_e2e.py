@@ -23,7 +23,8 @@ from pathlib import Path
 import pytest
 from test_main_e2e import check_sat_rows, step_gate_rate
 
-from verl_sat.trainer.accounting import read_jsonl, summarize
+from verl_sat.files import read_jsonl
+from verl_sat.trainer.accounting import summarize
 from verl_sat.trainer.faults import read_tracker
 from verl_sat.trainer.supervisor import EXIT_PROCESS_DIED
 

@@ -15,6 +15,7 @@ from unittest import mock
 import pytest
 from omegaconf import OmegaConf
 
+from verl_sat import files
 from verl_sat.trainer import accounting
 from verl_sat.trainer.faults import (
     EXIT_COLLAPSED,
@@ -52,7 +53,7 @@ def test_summary_counts_trained_repeated_skipped_and_lost(tmp_path: Path):
         trained(3, [7, 9]),  # 7 again: repeated
         {"event": "in_flight_at_end", "step": 3, "uids": ["u2"]},
     ]
-    accounting.write_jsonl(tmp_path / "samples.jsonl", rows)
+    files.write_jsonl(tmp_path / "samples.jsonl", rows)
     s = accounting.summarize(tmp_path)
     assert s["prompts_submitted"] == 5 and s["prompts_trained"] == 4 and s["responses_trained"] == 20
     assert s["repeated"] == [7] and s["skipped"] == [3] and s["in_flight_at_end"] == 1 and s["lost_in_flight"] == []
@@ -63,7 +64,7 @@ def test_summary_counts_trained_repeated_skipped_and_lost(tmp_path: Path):
 
 def test_untrained_prompt_not_in_flight_is_lost(tmp_path: Path):
     rows = [submitted(1, [1, 2, 3]), trained(1, [1]), {"event": "in_flight_at_end", "step": 1, "uids": ["u2"]}]
-    accounting.write_jsonl(tmp_path / "samples.jsonl", rows)
+    files.write_jsonl(tmp_path / "samples.jsonl", rows)
     s = accounting.summarize(tmp_path)
     assert s["lost_in_flight"] == [3] and s["in_flight_at_end"] == 1 and s["skipped"] is None
 
@@ -75,23 +76,23 @@ def metrics_rows(steps: range, attempt: str) -> list[dict]:
 def test_resume_keeps_one_timeline_of_metrics_and_samples(tmp_path: Path):
     """Attempt 1 ran steps 1-5 (checkpoint at 4) and was killed; attempt 2 resumes from 4, is
     killed after step 7 (checkpoint at 6); attempt 3 resumes from 6 and ends at 8."""
-    accounting.write_jsonl(tmp_path / "metrics.jsonl", metrics_rows(range(1, 6), "a1"))
-    accounting.write_jsonl(tmp_path / "samples.jsonl", [trained(s, [s]) for s in range(1, 6)])
+    files.write_jsonl(tmp_path / "metrics.jsonl", metrics_rows(range(1, 6), "a1"))
+    files.write_jsonl(tmp_path / "samples.jsonl", [trained(s, [s]) for s in range(1, 6)])
     moved = accounting.prepare_resume(tmp_path, 4)
     assert moved == {"resumed_from_step": 4, "superseded_metric_steps": 1, "superseded_trained_steps": 1}
     assert not (tmp_path / "metrics.jsonl").exists()  # verl's logger starts it afresh
     # attempt 2, killed: its metrics.jsonl holds only its own rows, its samples are appended
-    accounting.write_jsonl(tmp_path / "metrics.jsonl", metrics_rows(range(5, 8), "a2"))
-    accounting.append_jsonl(tmp_path / "samples.jsonl", [trained(s, [s]) for s in range(5, 8)])
+    files.write_jsonl(tmp_path / "metrics.jsonl", metrics_rows(range(5, 8), "a2"))
+    files.append_jsonl(tmp_path / "samples.jsonl", [trained(s, [s]) for s in range(5, 8)])
     accounting.prepare_resume(tmp_path, 6)
-    accounting.write_jsonl(tmp_path / "metrics.jsonl", metrics_rows(range(7, 9), "a3"))
-    accounting.append_jsonl(tmp_path / "samples.jsonl", [trained(s, [s]) for s in range(7, 9)])
+    files.write_jsonl(tmp_path / "metrics.jsonl", metrics_rows(range(7, 9), "a3"))
+    files.append_jsonl(tmp_path / "samples.jsonl", [trained(s, [s]) for s in range(7, 9)])
     accounting.finish_metrics(tmp_path)
-    rows = accounting.read_jsonl(tmp_path / "metrics.jsonl")
+    rows = files.read_jsonl(tmp_path / "metrics.jsonl")
     assert [r["step"] for r in rows] == list(range(1, 9))  # no step missing or twice
     assert [r["data"]["attempt"] for r in rows] == ["a1"] * 4 + ["a2"] * 2 + ["a3"] * 2
     assert not (tmp_path / "metrics.prefix.jsonl").exists()
-    superseded = accounting.read_jsonl(tmp_path / "metrics.superseded.jsonl")
+    superseded = files.read_jsonl(tmp_path / "metrics.superseded.jsonl")
     assert [(r["step"], r["superseded_by_resume_from"]) for r in superseded] == [(5, 4), (7, 6)]
     s = accounting.summarize(tmp_path)
     assert s["steps"] == 8 and s["repeated"] == [] and s["superseded_trained_steps"] == 2
@@ -100,7 +101,7 @@ def test_resume_keeps_one_timeline_of_metrics_and_samples(tmp_path: Path):
 def test_a_torn_last_line_is_skipped(tmp_path: Path):
     path = tmp_path / "samples.jsonl"
     path.write_text(json.dumps(trained(1, [1])) + "\n" + '{"event": "trai')
-    assert len(accounting.read_jsonl(path)) == 1
+    assert len(files.read_jsonl(path)) == 1
 
 
 def test_prompt_groups_and_ids():
@@ -216,7 +217,7 @@ def test_unwritable_directories_are_named(tmp_path: Path):
 
 
 def test_main_refuses_an_unwritable_run_dir_before_ray(tmp_path: Path):
-    from verl_sat.main import make_run_dir
+    from verl_sat.trainer.launch import make_run_dir
 
     blocker = tmp_path / "a_file"
     blocker.write_text("")
@@ -260,7 +261,7 @@ def test_fault_config_defaults_off_and_yaml_lists_every_key():
 
 def test_finish_run_summarises_into_run_json_and_a_collapse_exits_nonzero(tmp_path: Path):
     (tmp_path / "run.json").write_text(json.dumps({"method": "sat_gspo"}))
-    accounting.write_jsonl(tmp_path / "samples.jsonl", [submitted(1, [1]), trained(1, [1])])
+    files.write_jsonl(tmp_path / "samples.jsonl", [submitted(1, [1]), trained(1, [1])])
     lines: list[str] = []
     assert finish_run(tmp_path, log=lines.append) == 0
     record = json.loads((tmp_path / "run.json").read_text())
@@ -285,8 +286,8 @@ def test_report_lists_each_runs_sample_accounting(tmp_path: Path):
 
     run_dir = tmp_path / "sat_gspo-lag2"
     run_dir.mkdir()
-    accounting.write_jsonl(run_dir / "metrics.jsonl", [{"step": 1, "data": {"critic/score/mean": 0.5}}])
-    accounting.write_jsonl(run_dir / "samples.jsonl", [submitted(1, [1, 2]), trained(1, [1])])
+    files.write_jsonl(run_dir / "metrics.jsonl", [{"step": 1, "data": {"critic/score/mean": 0.5}}])
+    files.write_jsonl(run_dir / "samples.jsonl", [submitted(1, [1, 2]), trained(1, [1])])
     (run_dir / "run.json").write_text(json.dumps({"method": "sat_gspo", "lag": 2}))
     finish_run(run_dir, log=lambda line: None)
     report.main([str(run_dir), "--out", str(tmp_path / "out"), "--no-plots"])

@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from verl_sat.main import summary
 from verl_sat.trainer import progress as job_summary
+from verl_sat.trainer.progress import summary
 
 
 def timed_row(step: int, gen: float, update: float, total: float, reward: float) -> dict:
@@ -69,7 +69,7 @@ def test_sat_inert_warning_fires_when_q_is_beyond_the_clip_radius_on_most_recent
 
 
 def test_the_step_line_and_reward_png_show_the_intercepted_fraction(tmp_path):
-    from verl_sat.main import ProgressPrinter, progress_line
+    from verl_sat.trainer.progress import ProgressPrinter, progress_line
 
     row = {"step": 3, "critic/score/mean": 0.5, "actor/sat_intercepted_frac": 0.0123}
     assert "intercepted 0.0123" in progress_line(row)

@@ -12,12 +12,19 @@ from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig, OmegaConf
 
 from verl_sat import main
+from verl_sat.default import assets as default_assets
 from verl_sat.default import reward
 from verl_sat.files import hydra_config_dir
 from verl_sat.paper.report import load_run
 from verl_sat.paper.table import derive_method, normalize_method
+from verl_sat.trainer import launch
 
-MODEL, TRAIN, VAL, REWARD = main.MODEL_PATH_KEY, main.TRAIN_FILES_KEY, main.VAL_FILES_KEY, main.REWARD_PATH_KEY
+MODEL, TRAIN, VAL, REWARD = (
+    default_assets.MODEL_PATH_KEY,
+    default_assets.TRAIN_FILES_KEY,
+    default_assets.VAL_FILES_KEY,
+    default_assets.REWARD_PATH_KEY,
+)
 CORRECTION = "algorithm.rollout_correction"
 
 
@@ -47,7 +54,7 @@ def no_build(monkeypatch):
     def refuse(path):
         raise AssertionError(f"the assets were built in {path}")
 
-    monkeypatch.setattr(main, "build_assets_once", refuse)
+    monkeypatch.setattr(default_assets, "build_assets_once", refuse)
 
 
 def compose_cfg(*overrides: str, config_name: str = "sat_gspo_cpu") -> DictConfig:
@@ -90,7 +97,7 @@ def test_default_fills_every_unset_key_and_records_it(assets, tmp_path, no_build
 def test_an_unset_reward_name_is_filled_with_the_path(assets, tmp_path, no_build):
     cfg = cpu_cfg(assets, tmp_path, "reward.custom_reward_function.name=null")
     main.prepare(cfg)
-    assert run_record(tmp_path)["filled_by_default"][main.REWARD_NAME_KEY] == "compute_score"
+    assert run_record(tmp_path)["filled_by_default"][default_assets.REWARD_NAME_KEY] == "compute_score"
     assert cfg.reward.custom_reward_function.name == "compute_score"
 
 
@@ -105,7 +112,9 @@ def test_a_value_the_user_passed_wins(assets, tmp_path, no_build, key, name):
     filled = run_record(tmp_path)["filled_by_default"]
     assert key not in filled and len(filled) == 3  # the other three are still filled
     if key == REWARD:
-        assert cfg.reward.custom_reward_function.name == "compute_score" and main.REWARD_NAME_KEY not in filled
+        assert (
+            cfg.reward.custom_reward_function.name == "compute_score" and default_assets.REWARD_NAME_KEY not in filled
+        )
 
 
 def test_the_legacy_reward_key_counts_as_set(assets, tmp_path, no_build):
@@ -118,12 +127,12 @@ def test_the_legacy_reward_key_counts_as_set(assets, tmp_path, no_build):
 
 def test_a_separate_tokenizer_path_is_kept_and_checked(assets, tmp_path, no_build):
     tokenizer = user_file(tmp_path, "tokenizer")
-    cfg = cpu_cfg(assets, tmp_path, f"{main.TOKENIZER_PATH_KEY}={tokenizer}")
+    cfg = cpu_cfg(assets, tmp_path, f"{launch.TOKENIZER_PATH_KEY}={tokenizer}")
     main.prepare(cfg)
     assert cfg.actor_rollout_ref.model.tokenizer_path == tokenizer
-    assert main.TOKENIZER_PATH_KEY not in run_record(tmp_path)["filled_by_default"]
-    with pytest.raises(FileNotFoundError, match=rf"{main.TOKENIZER_PATH_KEY}: /nowhere/tok does not exist"):
-        main.prepare(cpu_cfg(assets, tmp_path / "b", f"{main.TOKENIZER_PATH_KEY}=/nowhere/tok"))
+    assert launch.TOKENIZER_PATH_KEY not in run_record(tmp_path)["filled_by_default"]
+    with pytest.raises(FileNotFoundError, match=rf"{launch.TOKENIZER_PATH_KEY}: /nowhere/tok does not exist"):
+        main.prepare(cpu_cfg(assets, tmp_path / "b", f"{launch.TOKENIZER_PATH_KEY}=/nowhere/tok"))
 
 
 def test_nothing_is_built_when_the_user_set_model_and_data(tmp_path, no_build):

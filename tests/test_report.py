@@ -20,7 +20,7 @@ from verl_sat.paper.report import (
     infer_method_lag,
     load_run,
     main,
-    read_metrics,
+    metric_series,
     run_label,
     run_styles,
 )
@@ -97,14 +97,14 @@ def test_load_run_formats() -> None:
     assert mixed.series("eval/aime24/avg@16") == [(0, 0.09375), (10, 0.3), (20, 0.325)]
 
 
-def test_read_metrics_errors_name_file_and_line(tmp_path: Path) -> None:
+def test_metric_series_errors_name_file_and_line(tmp_path: Path) -> None:
     bad = tmp_path / "metrics.jsonl"
     bad.write_text('{"step": 1, "a": 1.0}\n\n{"a": 2.0}\n')
     with pytest.raises(ValueError, match=r"metrics.jsonl: line 3 has no integer 'step'"):
-        read_metrics(bad)
+        metric_series(bad)
     bad.write_text('{"step": 1}\n[1, 2]\n')
     with pytest.raises(ValueError, match="line 2 is not a JSON object"):
-        read_metrics(bad)
+        metric_series(bad)
     with pytest.raises(FileNotFoundError, match="nowhere"):
         load_run(tmp_path / "nowhere")
     (tmp_path / "two").mkdir()

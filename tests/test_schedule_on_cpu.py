@@ -11,8 +11,10 @@ import torch
 from conftest import actor_config, random_batch
 from omegaconf import OmegaConf
 
-from verl_sat.main import make_run_dir, progress_line, read_metrics, summary
+from verl_sat.files import read_metrics
 from verl_sat.trainer.actor import finish_staleness_breakdown, staleness_breakdown, staleness_in_steps
+from verl_sat.trainer.launch import make_run_dir
+from verl_sat.trainer.progress import progress_line, summary
 from verl_sat.trainer.recipe import SATRecipeConfig, apply_actor, apply_lag
 
 
@@ -185,7 +187,7 @@ def test_concurrent_jobs_build_the_default_assets_once(tmp_path, monkeypatch):
     import threading
     import time
 
-    from verl_sat import main
+    from verl_sat.default import assets as default_assets
     from verl_sat.default import warmup
 
     calls = []
@@ -200,18 +202,18 @@ def test_concurrent_jobs_build_the_default_assets_once(tmp_path, monkeypatch):
 
     monkeypatch.setattr(warmup, "build", fake_build)
     assets = tmp_path / "cache" / "tiny_moe_v5"
-    threads = [threading.Thread(target=main.build_assets_once, args=(assets,)) for _ in range(2)]
+    threads = [threading.Thread(target=default_assets.build_assets_once, args=(assets,)) for _ in range(2)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
     assert len(calls) == 1 and calls[0] != assets  # built once, in a temporary directory
-    assert main.assets_complete(assets) and not list(assets.parent.glob(".tiny_moe_v5.building-*"))
+    assert default_assets.assets_complete(assets) and not list(assets.parent.glob(".tiny_moe_v5.building-*"))
     # an incomplete directory the user pointed at is completed in place, not replaced
     partial = tmp_path / "mine"
     (partial / "model").mkdir(parents=True)
     (partial / "notes.txt").write_text("keep me")
-    main.build_assets_once(partial)
+    default_assets.build_assets_once(partial)
     assert calls[-1] == partial and (partial / "notes.txt").read_text() == "keep me"
 
 
@@ -269,11 +271,11 @@ def test_gate_starvation_warning_names_the_keys_only_where_the_gate_can_starve()
 
 def test_file_logger_path_reaches_ray_through_runtime_env(tmp_path, monkeypatch):
     # on a pre-started Ray cluster, workers do not inherit the driver's environment
-    from verl_sat import main
     from verl_sat.main import prepare
     from verl_sat.paper import grid as recipes
+    from verl_sat.trainer import launch
 
-    monkeypatch.setattr(main, "check_paths", lambda cfg: None)  # the paper's data is not on this machine
+    monkeypatch.setattr(launch, "check_paths", lambda cfg: None)  # the paper's data is not on this machine
     monkeypatch.setenv("VERL_FILE_LOGGER_PATH", "unset after the test")  # prepare sets it
     monkeypatch.delenv("VERL_FILE_LOGGER_PATH")
     cfg = recipes.compose_cell(
@@ -292,7 +294,7 @@ def test_file_logger_path_reaches_ray_through_runtime_env(tmp_path, monkeypatch)
 
 
 def test_runtime_env_keeps_a_users_file_logger_path(monkeypatch):
-    from verl_sat.main import pass_env_to_ray
+    from verl_sat.trainer.launch import pass_env_to_ray
 
     monkeypatch.setenv("VERL_FILE_LOGGER_PATH", "/run/metrics.jsonl")
     monkeypatch.delenv("VERL_SAT_RUN_DIR", raising=False)  # set by any make_run_dir earlier in the process

@@ -20,12 +20,11 @@ from verl.trainer.ppo.v1.trainer_base import PPOTrainer
 
 from verl_sat.files import hydra_config_dir
 from verl_sat.trainer.actor import SATTrainerMixin
-from verl_sat.trainer.faults import EXIT_COLLAPSED, collapse_exit, write_tracker
+from verl_sat.trainer.faults import EXIT_COLLAPSED, checkpoint_steps, collapse_exit, write_tracker
 from verl_sat.trainer.recipe import SATRecipeConfig
 from verl_sat.trainer.sentinel import (
     CollapseSentinel,
     SentinelConfig,
-    list_checkpoints,
     robust_center_scale,
     select_rollback_step,
 )
@@ -273,8 +272,9 @@ def test_rollback_target_is_the_newest_checkpoint_before_the_onset(tmp_path: Pat
         (tmp_path / f"global_step_{k}" / "actor").mkdir(parents=True)
     (tmp_path / "global_step_25").mkdir()  # no actor/: incomplete
     (tmp_path / "latest_checkpointed_iteration.txt").write_text("20")
-    assert list_checkpoints(str(tmp_path)) == [5, 10, 15, 20]
-    assert list_checkpoints(str(tmp_path / "missing")) == []
+    assert checkpoint_steps(tmp_path, with_actor=True) == [5, 10, 15, 20]
+    assert checkpoint_steps(tmp_path) == [5, 10, 15, 20, 25]
+    assert checkpoint_steps(tmp_path / "missing", with_actor=True) == []
     assert select_rollback_step([5, 10, 15, 20], onset_step=17, margin=2) == 15
     assert select_rollback_step([5, 10, 15, 20], onset_step=16, margin=2) == 10
     assert select_rollback_step([5, 10, 15, 20], onset_step=30, margin=2, poisoned=[(15, 20)]) == 15

@@ -87,10 +87,11 @@ def test_overrides_compose_and_validate(
     from verl.utils.config import omega_conf_to_dataclass, validate_config
     from verl.workers.config import McoreActorConfig, RolloutConfig
 
-    from verl_sat import SATPolicyLossConfig, main
+    from verl_sat import SATPolicyLossConfig
     from verl_sat.main import prepare
+    from verl_sat.trainer import launch
 
-    monkeypatch.setattr(main, "check_paths", lambda cfg: None)  # the dry run does not build the assets
+    monkeypatch.setattr(launch, "check_paths", lambda cfg: None)  # the dry run does not build the assets
     monkeypatch.setenv("VERL_FILE_LOGGER_PATH", "restored after the test")  # prepare sets it
     tmp, lines = commands
     cfg = compose(main_overrides(lines[invocation]))
@@ -136,10 +137,10 @@ def test_overrides_compose_and_validate(
 def test_the_fallback_slots_compose_into_the_runtime_env(
     commands: tuple[Path, list[list[str]]], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from verl_sat import main
     from verl_sat.main import prepare
+    from verl_sat.trainer import launch
 
-    monkeypatch.setattr(main, "check_paths", lambda cfg: None)
+    monkeypatch.setattr(launch, "check_paths", lambda cfg: None)
     monkeypatch.setenv("VERL_FILE_LOGGER_PATH", "restored after the test")
     _, lines = commands
     overrides = [o for o in main_overrides(lines[2]) if not o.startswith("+ray_kwargs")]

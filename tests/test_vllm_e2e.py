@@ -16,7 +16,7 @@ import pytest
 from test_faults_e2e import command, kill_and_wait, logged_steps, one_error_line, running, wait_for
 from test_main_e2e import assets, check_sat_run, run_main  # noqa: F401  (the session fixture and the launcher)
 
-from verl_sat.trainer.accounting import read_jsonl
+from verl_sat.files import read_jsonl
 from verl_sat.trainer.supervisor import EXIT_PROCESS_DIED
 
 pytestmark = pytest.mark.e2e

@@ -75,7 +75,7 @@ def build(out_dir: str | Path, seed: int = 0) -> dict[str, str]:
 
 def read_steps(path: Path) -> list[dict[str, Any]]:
     """verl's file-logger lines ``{"step", "data"}`` as ``{"step", **data}``."""
-    from verl_sat.main import read_metrics
+    from verl_sat.files import read_metrics
 
     return read_metrics(path)
 

@@ -30,6 +30,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from verl_sat.files import read_metrics
 from verl_sat.paper.table import LAGS, PAPER_TABLE1, normalize_method
 
 # verl metric names (SPEC §5; verl's trainer for the reward and validation keys).
@@ -76,30 +77,14 @@ def _is_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
-def read_metrics(path: Path) -> dict[str, dict[int, float]]:
-    """``{metric: {step: value}}`` from a flat or verl file-logger JSONL (later lines win).
-
-    Non-numeric and non-finite values are skipped; a line that is not a JSON object or has no
-    integer ``step`` raises ``ValueError`` naming the file and line number.
-    """
+def metric_series(path: Path) -> dict[str, dict[int, float]]:
+    """``{metric: {step: value}}`` of a metrics JSONL (``verl_sat.files.read_metrics``, strict;
+    later lines win). Non-numeric and non-finite values are skipped."""
     metrics: dict[str, dict[int, float]] = {}
-    with path.open(encoding="utf-8") as fh:
-        for lineno, line in enumerate(fh, start=1):
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"{path}: line {lineno} is not valid JSON ({exc.msg})") from exc
-            if not isinstance(obj, dict):
-                raise ValueError(f"{path}: line {lineno} is not a JSON object")
-            step = obj.get("step")
-            if not isinstance(step, int) or isinstance(step, bool):
-                raise ValueError(f"{path}: line {lineno} has no integer 'step' (got {step!r})")
-            values = obj["data"] if isinstance(obj.get("data"), dict) else obj
-            for key, value in values.items():
-                if key != "step" and _is_number(value):
-                    metrics.setdefault(key, {})[step] = float(value)
+    for row in read_metrics(path, strict=True):
+        for key, value in row.items():
+            if key != "step" and _is_number(value):
+                metrics.setdefault(key, {})[row["step"]] = float(value)
     return metrics
 
 
@@ -146,7 +131,7 @@ def load_run(path: str | Path) -> Run:
     else:
         method, lag = infer_method_lag(name)
         method, lag = normalize_method(str(meta.get("method", method))), int(meta.get("lag", lag))
-    metrics = read_metrics(metrics_path)
+    metrics = metric_series(metrics_path)
     return Run(name=str(meta.get("name", name)), path=path, method=method, lag=lag, metrics=metrics, record=meta)
 
 

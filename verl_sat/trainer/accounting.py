@@ -27,15 +27,14 @@ them back in front when the job ends (or at the next resume, if it is killed aga
 from __future__ import annotations
 
 import hashlib
-import json
-import os
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
+from verl_sat.files import METRICS_FILE, append_jsonl, read_jsonl, write_jsonl
+
 SAMPLES_FILE = "samples.jsonl"
-METRICS_FILE = "metrics.jsonl"
 PREFIX_SUFFIX = ".prefix.jsonl"
 SUPERSEDED_SUFFIX = ".superseded.jsonl"
 # how much of the first epoch's order a fresh run records (enough for any run of its length)
@@ -45,37 +44,6 @@ EPOCH_ORDER_MARGIN = 64
 # ---------------------------------------------------------------------------------------------
 # files
 # ---------------------------------------------------------------------------------------------
-def read_jsonl(path: Path) -> list[dict[str, Any]]:
-    """The JSON lines of ``path`` ([] if missing); a torn last line (a killed writer) is skipped."""
-    if not path.exists():
-        return []
-    rows = []
-    for line in path.read_text().splitlines():
-        if not line.strip():
-            continue
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue
-    return rows
-
-
-def write_jsonl(path: Path, rows: Iterable[dict[str, Any]]) -> None:
-    """Replace ``path`` atomically (temporary file, then rename)."""
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as f:
-        for row in rows:
-            f.write(json.dumps(row) + "\n")
-    os.replace(tmp, path)
-
-
-def append_jsonl(path: Path, rows: Iterable[dict[str, Any]]) -> None:
-    if rows:
-        with open(path, "a") as f:
-            for row in rows:
-                f.write(json.dumps(row) + "\n")
-
-
 def _sibling(path: Path, suffix: str) -> Path:
     return path.with_name(path.name.removesuffix(".jsonl") + suffix)
 

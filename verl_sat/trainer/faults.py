@@ -32,6 +32,8 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
+from verl_sat.files import update_run_record
+
 TRACKER = "latest_checkpointed_iteration.txt"
 _STEP_DIR = re.compile(r"^global_step_(\d+)$")
 SENTINEL_RECORD = "sentinel.json"
@@ -118,11 +120,13 @@ def write_tracker(checkpoint_dir: Path, step: int) -> None:
     os.replace(tmp, tracker)
 
 
-def checkpoint_steps(checkpoint_dir: Path) -> list[int]:
-    """The k of every ``global_step_k`` directory, ascending (complete or not)."""
+def checkpoint_steps(checkpoint_dir: Path, with_actor: bool = False) -> list[int]:
+    """The k of every ``global_step_k`` directory, ascending (complete or not); ``with_actor``:
+    only those holding an ``actor/`` directory (a checkpoint the actor can be reloaded from)."""
     if not Path(checkpoint_dir).is_dir():
         return []
-    return sorted(int(m.group(1)) for p in Path(checkpoint_dir).iterdir() if (m := _STEP_DIR.match(p.name)))
+    steps = (int(m.group(1)) for p in Path(checkpoint_dir).iterdir() if (m := _STEP_DIR.match(p.name)))
+    return sorted(k for k in steps if not with_actor or (Path(checkpoint_dir) / f"global_step_{k}" / "actor").is_dir())
 
 
 def latest_checkpoint(checkpoint_dir: Path, async_mode: bool = True, log: Any = print) -> int | None:
@@ -252,19 +256,6 @@ def read_sentinel_record(run_dir: Path) -> dict[str, Any] | None:
         return json.loads(path.read_text())
     except (OSError, ValueError):
         return None
-
-
-def update_run_record(run_dir: Path, **sections: Any) -> None:
-    """Add ``sections`` to ``run.json`` (atomically)."""
-    path = Path(run_dir) / "run.json"
-    try:
-        record = json.loads(path.read_text())
-    except (OSError, ValueError):
-        record = {}
-    record.update(sections)
-    tmp = path.with_name("run.json.tmp")
-    tmp.write_text(json.dumps(record, indent=1))
-    os.replace(tmp, path)
 
 
 def collapse_exit(record: dict[str, Any] | None) -> tuple[int, str | None]:

@@ -1,5 +1,5 @@
-"""The main job's closing report: where a step's time went, the quarter rewards, ``reward.png``,
-and the warning that SAT is inert in this run.
+"""The main job's console and closing report: a line a step, where a step's time went, the
+quarter rewards, ``reward.png``, and the warning that SAT is inert in this run.
 
 Everything is read from verl's own per-step metrics (``metrics.jsonl``):
 
@@ -14,9 +14,14 @@ Everything is read from verl's own per-step metrics (``metrics.jsonl``):
 from __future__ import annotations
 
 import math
+import threading
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
+
+from verl_sat.files import read_metrics, update_run_record
+from verl_sat.trainer import auto_lag
+from verl_sat.trainer.console import CONSOLE_LOG
 
 REWARD_KEY = "critic/score/mean"
 DBAR_PI_KEY = "actor/mismatch_abs_mean"
@@ -137,3 +142,116 @@ def plot_job(rows: Sequence[dict[str, Any]], path: Path) -> Path:
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+# ---------------------------------------------------------------------------------------------
+# the console: one line a step, then the closing summary
+# ---------------------------------------------------------------------------------------------
+PROGRESS_KEYS = {
+    "reward": REWARD_KEY,
+    "gate": GATE_KEY,
+    "intercepted": INTERCEPT_KEY,
+    "dbar_pi": DBAR_PI_KEY,
+    "staleness": "training/sat/staleness_steps/max",
+    "seconds": STEP_KEY,
+}
+
+
+def progress_line(row: dict[str, Any]) -> str:
+    """``[verl-sat] step N | reward | gate | intercepted | dbar_pi | staleness<= | seconds`` (+ auto-lag)."""
+
+    def fmt(key: str, spec: str) -> str:
+        value = row.get(PROGRESS_KEYS[key])
+        return format(value, spec) if isinstance(value, (int, float)) else "-"
+
+    line = (
+        f"[verl-sat] step {row['step']:>4} | reward {fmt('reward', '.3f')} | gate {fmt('gate', '.3f')} | "
+        f"intercepted {fmt('intercepted', '.4f')} | dbar_pi {fmt('dbar_pi', '.4f')} | "
+        f"staleness<= {fmt('staleness', '.0f')} | {fmt('seconds', '.1f')} s"
+    )
+    if isinstance(row.get(auto_lag.LAG_KEY), int | float):  # sat.lag=auto: the lag this step ran at
+        line += f" | lag {row[auto_lag.LAG_KEY]:.0f}{' -> broadcast' if row.get(auto_lag.BROADCAST_KEY) else ''}"
+    return line
+
+
+class ProgressPrinter(threading.Thread):
+    """Tails metrics.jsonl (written by verl's trainer in its Ray actor) and prints a line a step."""
+
+    def __init__(self, path: Path, interval: float = 1.0, eps_high: float = 0.2) -> None:
+        super().__init__(daemon=True)
+        self.path, self.interval, self.printed = path, interval, 0
+        self.eps_high, self.warned = eps_high, False
+        self.stopped = threading.Event()
+
+    def flush(self) -> None:
+        rows = read_metrics(self.path)
+        for row in rows[self.printed :]:
+            print(progress_line(row), flush=True)
+        self.printed = len(rows)
+        warning = None if self.warned else inert_warning(rows, self.eps_high)
+        if warning:
+            print(warning, flush=True)
+            self.warned = True
+
+    def run(self) -> None:
+        while not self.stopped.wait(self.interval):
+            try:
+                self.flush()
+            except (OSError, ValueError):
+                continue  # a line being written; read it next time
+
+    def stop(self) -> None:
+        self.stopped.set()
+        self.join()
+        self.flush()
+
+
+def summary(rows: list[dict[str, Any]], seconds: float, lag: int = 1) -> str:
+    """The closing line: steps, quarter rewards, gate, staleness and where a step's time went."""
+    if not rows:
+        return f"[verl-sat] no training step completed ({seconds:.0f} s)"
+    staleness = _values(rows, PROGRESS_KEYS["staleness"])
+    gate = _values(rows, GATE_KEY)
+    parts = [f"[verl-sat] {len(rows)} steps in {seconds:.0f} s"]
+    quarters = quarter_means(rows)
+    if quarters:
+        parts.append(f"reward first-quarter {quarters[0]:.3f} -> last-quarter {quarters[1]:.3f}")
+    if gate:
+        parts.append(f"mean gate rate {sum(gate) / len(gate):.3f}")
+    if staleness:
+        parts.append(f"max staleness {max(staleness):.0f} steps")
+    split = format_split(timing_split(rows), lag)
+    if split:
+        parts.append(split)
+    return " | ".join(parts)
+
+
+def lag_lines(run_dir: Path, rows: list[dict[str, Any]], sat: Any) -> list[str]:
+    """sat.lag=auto: the broadcasts, also into ``run.json`` (``auto_lag``); a fixed lag: the
+    ``sat.auto_lag.target`` values its staleness levels suggest (``auto_lag.suggestion_line``)."""
+    if sat.lag != auto_lag.AUTO:
+        line = auto_lag.suggestion_line(rows)
+        return [line] if line else []
+    decided = [r for r in rows if auto_lag.BROADCAST_KEY in r]
+    broadcasts = sum(bool(r[auto_lag.BROADCAST_KEY]) for r in decided)
+    lags = [int(r[auto_lag.LAG_KEY]) for r in decided if r[auto_lag.BROADCAST_KEY]]
+    record = {**sat.auto_lag.__dict__, "broadcasts": broadcasts, "steps": len(decided), "lags": lags}
+    update_run_record(run_dir, auto_lag=record)
+    mean = f"{sum(lags) / len(lags):.2f}" if lags else "-"
+    return [
+        f"[verl-sat] sat.lag=auto ({sat.auto_lag.signal} > {sat.auto_lag.target:g}, lag in "
+        f"[{sat.auto_lag.min}, {sat.auto_lag.max}]): {broadcasts} broadcasts in {len(decided)} optimizer steps, "
+        f"mean lag {mean}"
+    ]
+
+
+def announce_console(run_dir: Path, verbose: bool) -> None:
+    """Say where Ray's and the workers' output goes (``verl_sat.trainer.console``)."""
+    if verbose:
+        print("[verl-sat] sat.verbose=true: Ray's and the workers' output shown as it comes", flush=True)
+    else:
+        print(
+            f"[verl-sat] Ray and worker output: {run_dir / CONSOLE_LOG} (errors still show here; "
+            "sat.verbose=true shows everything)",
+            flush=True,
+        )

@@ -54,7 +54,6 @@ from __future__ import annotations
 
 import math
 import os
-import re
 from collections import deque
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, fields, replace
@@ -65,7 +64,6 @@ import numpy as np
 ACTIONS = ("log", "stop", "rollback")
 AFTER_ROLLBACK = ("halve_lag", "none")
 MAD_TO_SIGMA = 1.4826  # sigma = 1.4826 MAD for gaussian noise
-_CHECKPOINT_DIR = re.compile(r"^global_step_(\d+)$")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -383,18 +381,6 @@ class CollapseSentinel:
 # ---------------------------------------------------------------------------------------------
 # rollback target
 # ---------------------------------------------------------------------------------------------
-def list_checkpoints(checkpoint_dir: str) -> list[int]:
-    """The global steps of verl's checkpoints ``<dir>/global_step_<k>/actor``, ascending."""
-    if not os.path.isdir(checkpoint_dir):
-        return []
-    steps = []
-    for name in os.listdir(checkpoint_dir):
-        match = _CHECKPOINT_DIR.match(name)
-        if match and os.path.isdir(os.path.join(checkpoint_dir, name, "actor")):
-            steps.append(int(match.group(1)))
-    return sorted(steps)
-
-
 def select_rollback_step(
     checkpoints: Iterable[int], onset_step: int, margin: int, poisoned: Iterable[tuple[int, int]] = ()
 ) -> int | None:
@@ -506,7 +492,7 @@ class SentinelTrainerMixin:
 
     def _sentinel_schedule_rollback(self, event: SentinelEvent, metrics: dict) -> str:
         """Pick the newest checkpoint saved before the onset; "stop" if none or out of rollbacks."""
-        from verl_sat.trainer.faults import read_tracker
+        from verl_sat.trainer.faults import checkpoint_steps, read_tracker
 
         config = self._sat_sentinel.config
         if len(self._sat_rollbacks) >= config.max_rollbacks:
@@ -516,7 +502,7 @@ class SentinelTrainerMixin:
             return "stop"
         folder = self._sentinel_checkpoint_dir()
         newest = read_tracker(folder)  # verl writes the tracker last: newer directories may be half-written
-        saved = [k for k in list_checkpoints(folder) if newest is not None and k <= newest]
+        saved = [k for k in checkpoint_steps(folder, with_actor=True) if newest is not None and k <= newest]
         target = select_rollback_step(saved, event.onset_step, config.rollback_margin, self._sat_rollbacks)
         if target is None:
             why = f"no checkpoint in {folder} at or before step {event.onset_step - config.rollback_margin}"

@@ -97,7 +97,7 @@ def alive(pid: int) -> bool:
 
 def last_step(run_dir: Path) -> int:
     """The last global step in ``metrics.jsonl`` (0 if none)."""
-    from verl_sat.trainer.accounting import read_jsonl
+    from verl_sat.files import read_jsonl
 
     rows = read_jsonl(run_dir / "metrics.jsonl")
     return max((int(r["step"]) for r in rows), default=0)
@@ -105,7 +105,7 @@ def last_step(run_dir: Path) -> int:
 
 def in_flight(run_dir: Path) -> int:
     """Prompts handed to the rollout and not yet trained, from ``samples.jsonl``."""
-    from verl_sat.trainer.accounting import read_jsonl
+    from verl_sat.files import read_jsonl
 
     handed, trained = set(), set()
     for row in read_jsonl(run_dir / "samples.jsonl"):
@@ -172,7 +172,7 @@ class Supervisor(threading.Thread):
 
     def report(self, failure: dict[str, Any]) -> None:
         """One error line, and the fault in ``run.json``."""
-        from verl_sat.trainer.faults import update_run_record
+        from verl_sat.files import update_run_record
 
         self.failure = failure
         print(self.describe(failure), flush=True)

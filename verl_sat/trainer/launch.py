@@ -1,0 +1,182 @@
+"""Before Ray starts: every path checked, the run directory made (or resumed), the workers'
+environment set, and ``run.json`` written. ``verl_sat.main.prepare`` calls these in order.
+
+- :func:`check_paths`: the keys a run cannot start without, and every local path the config
+  names, fail here with the key and the path;
+- :func:`make_run_dir`: ``sat.run_dir`` (printed at start) with verl's file logger and
+  checkpoints pointed into it; a directory that already holds metrics is resumed from its newest
+  complete checkpoint (``trainer.resume_mode=auto``) or refused, and nothing is overwritten;
+- :func:`set_platform_env`, :func:`pass_env_to_ray`: what the Ray workers need from the driver,
+  through the job's runtime environment (a cluster started beforehand does not inherit ours);
+- :func:`write_run_record`: the record of what ran.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import time
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, ListConfig, OmegaConf, open_dict
+
+from verl_sat.default.assets import (
+    LEGACY_REWARD_PATH_KEY,
+    MODEL_PATH_KEY,
+    REWARD_PATH_KEY,
+    TRAIN_FILES_KEY,
+    VAL_FILES_KEY,
+    is_unset,
+)
+from verl_sat.files import METRICS_FILE, RUN_RECORD
+from verl_sat.trainer import auto_lag
+from verl_sat.trainer.faults import check_writable
+from verl_sat.trainer.recipe import SATRecipeConfig
+from verl_sat.trainer.supervisor import RUN_DIR_ENV
+
+TOKENIZER_PATH_KEY = "actor_rollout_ref.model.tokenizer_path"
+# Keys a run cannot start without (checked whether or not the embedded default fills them).
+REQUIRED_KEYS = (MODEL_PATH_KEY, TRAIN_FILES_KEY, VAL_FILES_KEY)
+# A Hugging Face Hub id ("org/name"): verl downloads it, so it need not exist locally.
+HUB_ID_RE = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+# Environment the Ray workers need from the driver, passed through Ray's runtime environment too:
+# on a cluster started beforehand (`ray start`), workers inherit the raylet's environment, not ours.
+RAY_ENV_VARS = ("VERL_FILE_LOGGER_PATH", RUN_DIR_ENV)
+
+
+# ---------------------------------------------------------------------------------------------
+# paths
+# ---------------------------------------------------------------------------------------------
+def is_remote(path: str) -> bool:
+    """A URL (``hdfs://``, ``s3://``, ...): verl copies it, so it is not checked here."""
+    return "://" in path
+
+
+def check_local_path(key: str, value: Any, hub_ok: bool = False) -> None:
+    """``value`` (a path or a list of paths) exists; ``hub_ok``: a Hub id ``org/name`` may be remote."""
+    for item in value if isinstance(value, (list, tuple, ListConfig)) else [value]:
+        path = str(item)
+        if is_remote(path) or Path(path).expanduser().exists():
+            continue
+        if hub_ok and HUB_ID_RE.match(path):
+            continue  # a Hub id, downloaded by verl
+        raise FileNotFoundError(f"{key}: {path} does not exist (resolved: {Path(path).expanduser().resolve()})")
+
+
+def check_paths(cfg: DictConfig) -> None:
+    """Fail before Ray starts when a required key is unset or a path the config names is missing."""
+    for key in REQUIRED_KEYS:
+        if is_unset(cfg, key):
+            raise ValueError(f"{key} is not set: pass {key}=PATH (or sat.default_assets=true for the embedded default)")
+    check_local_path(TRAIN_FILES_KEY, OmegaConf.select(cfg, TRAIN_FILES_KEY))
+    check_local_path(VAL_FILES_KEY, OmegaConf.select(cfg, VAL_FILES_KEY))
+    check_local_path(MODEL_PATH_KEY, OmegaConf.select(cfg, MODEL_PATH_KEY), hub_ok=True)
+    if not is_unset(cfg, TOKENIZER_PATH_KEY):
+        check_local_path(TOKENIZER_PATH_KEY, OmegaConf.select(cfg, TOKENIZER_PATH_KEY), hub_ok=True)
+    for key in (REWARD_PATH_KEY, LEGACY_REWARD_PATH_KEY):
+        if not is_unset(cfg, key):
+            check_local_path(key, OmegaConf.select(cfg, key))
+
+
+# ---------------------------------------------------------------------------------------------
+# the run directory
+# ---------------------------------------------------------------------------------------------
+def make_run_dir(cfg: DictConfig, sat: SATRecipeConfig) -> Path:
+    """The run directory (created), with verl's file logger and checkpoints pointed into it."""
+    run_dir = Path(sat.run_dir or f"runs/{cfg.trainer.experiment_name}-{time.strftime('%Y%m%d-%H%M%S')}")
+    run_dir = run_dir.resolve()
+    check_writable(run_dir, "sat.run_dir")
+    with open_dict(cfg):
+        cfg.sat.run_dir = str(run_dir)
+        loggers = list(cfg.trainer.logger) if cfg.trainer.logger else []
+        if "file" not in loggers:
+            cfg.trainer.logger = loggers + ["file"]
+        if cfg.trainer.default_local_dir in (None, "") or "checkpoints/" in str(cfg.trainer.default_local_dir):
+            cfg.trainer.default_local_dir = str(run_dir / "checkpoints")
+    if int(cfg.trainer.get("save_freq", -1)) > 0:
+        check_writable(Path(str(cfg.trainer.default_local_dir)), "trainer.default_local_dir")
+    metrics = run_dir / METRICS_FILE
+    if metrics.exists() and metrics.stat().st_size > 0:
+        keep_earlier_metrics(cfg, run_dir, metrics)
+    os.environ["VERL_FILE_LOGGER_PATH"] = str(metrics)
+    os.environ[RUN_DIR_ENV] = str(run_dir)  # rollout servers and workers register their pids there
+    return run_dir
+
+
+def keep_earlier_metrics(cfg: DictConfig, run_dir: Path, metrics: Path) -> None:
+    """A run dir that already holds metrics: resume (keeping them) or refuse.
+
+    verl resumes (``trainer.resume_mode`` auto) from the checkpoint its tracker names; a torn
+    tracker is repaired first (``verl_sat.trainer.faults.latest_checkpoint``). The rows of the steps
+    after that checkpoint, which this attempt redoes, move to ``*.superseded.jsonl``, so that
+    ``metrics.jsonl`` and ``samples.jsonl`` hold one row per step (``verl_sat.trainer.accounting``).
+    """
+    from verl_sat.trainer import accounting, faults
+
+    resume = str(cfg.trainer.get("resume_mode", "disable")) == "auto"
+    async_mode = str(cfg.trainer.v1.trainer_mode).removeprefix("sat_") != "sync"
+    step = faults.latest_checkpoint(Path(str(cfg.trainer.default_local_dir)), async_mode) if resume else None
+    if step is None:
+        raise FileExistsError(
+            f"{metrics} already holds a run and there is no checkpoint to resume from "
+            f"(trainer.resume_mode={cfg.trainer.get('resume_mode')}); choose another sat.run_dir= "
+            "(nothing was overwritten)"
+        )
+    moved = accounting.prepare_resume(run_dir, step)
+    print(
+        f"[verl-sat] resuming from the checkpoint of step {step}: {moved['superseded_metric_steps']} later "
+        "step(s) will be redone (their rows kept in metrics.superseded.jsonl)",
+        flush=True,
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# the workers' environment
+# ---------------------------------------------------------------------------------------------
+def set_platform_env(cfg: DictConfig) -> None:
+    """CPU runs: the verl-sat CPU platform in every process (inherited by Ray workers)."""
+    if str(cfg.trainer.device) == "cpu":
+        os.environ.setdefault("VERL_PLATFORM", "cpu")
+        os.environ.setdefault("VERL_ENGINE_DEVICE", "cuda")  # FSDP engine is registered under "cuda"
+        os.environ.setdefault("OMP_NUM_THREADS", "1")
+        os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+        os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+
+
+def pass_env_to_ray(cfg: DictConfig, names: tuple[str, ...] = RAY_ENV_VARS) -> None:
+    """Add the driver's ``names`` to ``ray_kwargs.ray_init.runtime_env.env_vars``.
+
+    verl's ``run_ppo`` merges that node over its own defaults (``get_ppo_ray_runtime_env``) and
+    passes it to ``ray.init``, so every worker of the job gets the variables, on a pre-started
+    cluster too. A variable the user already set there, and every other entry, is kept.
+    """
+    with open_dict(cfg):
+        env_vars = cfg
+        for key in ("ray_kwargs", "ray_init", "runtime_env", "env_vars"):
+            if env_vars.get(key) is None:
+                env_vars[key] = {}
+            env_vars = env_vars[key]
+        for name in names:
+            if name in os.environ and name not in env_vars:
+                env_vars[name] = os.environ[name]
+
+
+# ---------------------------------------------------------------------------------------------
+# run.json
+# ---------------------------------------------------------------------------------------------
+def write_run_record(
+    run_dir: Path, cfg: DictConfig, sat: SATRecipeConfig, derived: str, filled: dict[str, str]
+) -> None:
+    """``run.json``: the method (explicit ``sat.method`` or derived), the lag, the values the
+    embedded default filled in, and the resolved config."""
+    record = {
+        "method": sat.method,
+        "method_derived": derived,
+        "lag": sat.lag,
+        "filled_by_default": filled,
+        **({"auto_lag": dict(sat.auto_lag.__dict__)} if sat.lag == auto_lag.AUTO else {}),
+        "config": OmegaConf.to_container(cfg, resolve=True),
+    }
+    (run_dir / RUN_RECORD).write_text(json.dumps(record, indent=1))
