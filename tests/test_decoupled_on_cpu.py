@@ -1,8 +1,8 @@
-"""SPEC §4's decoupled option: the ratio against old_log_prob, the SAT score against mu.
+"""The decoupled option of docs/sat.md#which-log-probs: the ratio against old_log_prob, the SAT score against mu.
 
 ``sat_score_against=rollout_log_probs`` takes mu from ``verl_sat.sat.losses.LossContext``, which
 verl-sat's worker loss opens with the batch's rollout log-probs. The rule itself is unchanged,
-so SPEC §2's properties hold for whatever score d it is given. The property tests draw from
+so the properties of docs/sat.md#the-rule hold for whatever score d it is given. The property tests draw from
 ``sat_strategies.sat_cases(decoupled=True)`` (the staleness in the score against mu, the ratio
 against old_log_prob k times it plus noise) and compare with the spec's formulas.
 """
@@ -86,7 +86,7 @@ def test_mu_equal_to_old_is_bit_identical_to_the_default(level):
 
 @pytest.mark.parametrize("level", LEVELS)
 def test_decoupled_pessimism_locus_and_gate(level):
-    """SPEC §4: the gate and q from the score against mu, the bands from the ratio against
+    """docs/sat.md#which-log-probs: the gate and q from the score against mu, the bands from the ratio against
     old_log_prob. -S_SAT >= -S_PPO on every token (strictly on the bands); the gradient differs
     from PPO's exactly on the bands; the gate is the spec's and gates at most n - ceil(alpha n)
     tokens; dbar_pi is measured against mu."""

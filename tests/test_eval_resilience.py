@@ -1,4 +1,4 @@
-"""``python -m verl_sat.eval --server`` against a fake OpenAI server that dies (issue 25).
+"""``python -m verl_sat.eval --server`` against a fake OpenAI server that dies.
 
 The fake server (``FakeOpenAI``: ``http.server`` on 127.0.0.1, an ephemeral port, a thread) is
 seeded: a response is a function of (problem, seed), so a resumed evaluation can be compared

@@ -1,4 +1,4 @@
-"""``python -m verl_sat.eval`` against vLLM's OpenAI server (vLLM's CPU build), killed mid-run (issue 25).
+"""``python -m verl_sat.eval`` against vLLM's OpenAI server (vLLM's CPU build), killed mid-run.
 
 The server serves the embedded tiny MoE (random weights: ``verl_sat.default.model.create``, no
 warm-up needed) with a 1024-token context. The evaluation runs as a user runs it, in a

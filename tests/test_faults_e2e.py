@@ -158,7 +158,7 @@ def test_killed_job_resumes_and_a_dead_rollout_server_stops_the_job(cached_defau
     checkpoint of step 4: the job exits 4 within 60 s with one line; the same command then runs
     to the end. One timeline of steps 1-6, and no prompt trained twice or skipped.
 
-    The job is the default (separate_async, lag 2) with one response per micro-batch: SPEC §2
+    The job is the default (separate_async, lag 2) with one response per micro-batch: docs/sat.md#the-rule
     step 2 at the paper's shape in miniature, checked on every step of the timeline. A
     per-micro-batch q would be each response's own score and gate nothing; the step's q gates
     about 1 - alpha of the step's tokens, at the step's weights (score drift 0). The last

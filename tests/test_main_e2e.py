@@ -3,7 +3,7 @@
 Each test launches ``python -m verl_sat.main`` in a subprocess (its own Ray cluster, shut down
 by the job) for two verl steps and checks the run's own metrics.jsonl: SAT diagnostics,
 per-sample staleness never above ``sat.lag``, and the loss's ratio taken against the rollout
-log-probs (SPEC §4). A few minutes in all on 2 cores.
+log-probs (docs/sat.md#which-log-probs). A few minutes in all on 2 cores.
 """
 
 from __future__ import annotations
@@ -68,7 +68,7 @@ def check_sat_rows(rows: list[dict], lag: int, bypass: bool = True) -> None:
         assert 0.0 <= row["actor/sat_gate_rate"] <= 0.1 + 1e-6  # alpha = 0.9
         # staleness is measured per sample and never exceeds the configured lag
         assert 0 <= row["training/sat/staleness_steps/max"] <= lag
-        # the loss's denominator is the rollout's log-prob mu, bit for bit (SPEC §4), in bypass mode
+        # the loss's denominator is the rollout's log-prob mu, bit for bit (docs/sat.md#which-log-probs), in bypass mode
         assert (row["actor/sat_old_vs_rollout_logprob_gap"] == 0.0) == bypass
         # per-staleness rates over the whole step: the token shares partition the step's tokens
         fracs = [v for k, v in row.items() if k.startswith("actor/sat_by_staleness/") and k.endswith("/token_frac")]
@@ -112,7 +112,7 @@ def test_auto_lag_broadcasts_when_the_mismatch_asks_and_keeps_its_bound(assets, 
 # launch of tests/test_routing_replay_e2e.py; colocate_async runs there too, with R2.
 
 
-# SPEC §4's decoupled option (ratio against recomputed old log-probs, SAT score against mu) runs
+# The decoupled option of docs/sat.md#which-log-probs (ratio against the old log-probs, score against mu) runs
 # end to end on verl's vLLM rollout with a bf16 rollout: tests/test_vllm_e2e.py.
 
 

@@ -1,7 +1,7 @@
 """The paper's recipes (hydra_configs/, verl_sat.paper.grid, recipes/sat_paper/) against verl 0.9.1.
 
 Every cell of the grid is composed on verl's packaged configs and checked against the paper's
-hyper-parameter table (SPEC §7); every key our YAML sets must exist in verl's schema.
+hyper-parameter table (docs/reproduce.md); every key our YAML sets must exist in verl's schema.
 """
 
 from __future__ import annotations
@@ -251,7 +251,7 @@ def test_cell_loss_and_stabilizer(cells: dict, method: str, lag: int) -> None:
             "hill",
             2.0,
         )
-        # q over the optimizer step (SPEC §2 step 2): per-micro-batch q starves SAT-GSPO's gate
+        # q over the optimizer step (docs/sat.md#the-rule step 2): per-micro-batch q starves SAT-GSPO's gate
         # at the paper's ~35k-token micro-batches of multi-thousand-token responses
         assert (loss["sat_quantile_scope"], loss["sat_step_score"]) == ("step", "forward")
     correction = cfg["algorithm"]["rollout_correction"]

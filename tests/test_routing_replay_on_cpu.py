@@ -1,4 +1,4 @@
-"""Routing replay (verl_sat.routing.gates, SPEC §6) on the tiny Qwen3-MoE: no Ray, seconds."""
+"""Routing replay (verl_sat.routing.gates, docs/routing_replay.md) on the tiny Qwen3-MoE: no Ray, seconds."""
 
 from __future__ import annotations
 

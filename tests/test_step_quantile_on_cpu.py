@@ -1,4 +1,4 @@
-"""q over the optimizer step (SPEC §2 step 2; verl_sat.sat.step_q) at the paper's shapes.
+"""q over the optimizer step (docs/sat.md#the-rule step 2; verl_sat.sat.step_q) at the paper's shapes.
 
 A step of many micro-batches, each holding one to three long responses (dynamic batching at
 ~35k tokens, multi-thousand-token responses): with ``step`` scope SAT-GSPO gates about 1 - alpha

@@ -89,7 +89,7 @@ def test_a_corrections_pi_old_is_the_last_broadcast_for_the_whole_cycle(model_an
 
 @pytest.mark.parametrize("loss", [{"loss_mode": "sat", "loss_agg_mode": "token-mean"}, {"loss_mode": "sat_gspo"}])
 def test_the_counterfactual_activity_equals_the_sat_losss_own_metrics(model_and_tokenizer, loss):
-    """study/* (computed for every arm from SPEC §2-§3) agree with what the SAT loss reports."""
+    """study/* (computed for every arm from docs/sat.md#the-rule) agree with what the SAT loss reports."""
     rows = run(model_and_tokenizer, steps=4, lag=4, lr=3e-2, logit_bias_std=0.3, **loss)
     for r in rows:
         assert r["study/q"] == pytest.approx(r["actor/sat_q"], rel=1e-5, abs=1e-7)

@@ -28,7 +28,7 @@ BF16_GAP = 1e-3  # dbar_pi of a bf16 vLLM against the fp32 trainer: ~5e-3 measur
 
 def test_vllm_sync_bf16_rollout_decoupled(assets, tmp_path):  # noqa: F811
     """Sync on vLLM with a bf16 rollout against the fp32 trainer: the mismatch the decoupled
-    option (SPEC §4) is for. The ratio is taken against the trainer's recomputed old log-probs,
+    option (docs/sat.md#which-log-probs) is for. The ratio is taken against the trainer's recomputed old log-probs,
     the SAT score and dbar_pi against mu, the bf16 rollout's log-probs."""
     rows, _ = run_main(
         assets,

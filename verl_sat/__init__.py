@@ -1,7 +1,7 @@
 """verl-sat: the Staleness-Adaptive Trust Region (SAT) for asynchronous RL on verl.
 
 ``import verl_sat`` registers the policy losses ``"sat"`` and ``"sat_gspo"`` in verl's
-``POLICY_LOSS_REGISTRY`` (SPEC §2-§3). See docs/sat.md.
+``POLICY_LOSS_REGISTRY`` (docs/sat.md#the-rule). See docs/sat.md.
 """
 
 # Import verl first: its plugin loader imports verl_sat.plugin, which needs our submodules. Were

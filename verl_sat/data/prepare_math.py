@@ -1,4 +1,4 @@
-"""Build the paper's math data in verl's parquet format (SPEC §7).
+"""Build the paper's math data in verl's parquet format (docs/reproduce.md).
 
 Training set: DAPO-Math-17k de-duplicated by prompt, united with Dolci-RL-Zero-Math-7B (a
 question present in both is kept once). Validation set: AIME 2024 (30 problems). Every prompt is
@@ -33,7 +33,7 @@ DAPO_HUB_ID = "BytedTsinghua-SIA/DAPO-Math-17k"
 DOLCI_HUB_ID = "allenai/Dolci-RL-Zero-Math-7B"
 AIME24_HUB_ID = "HuggingFaceH4/aime_2024"
 
-# DAPO's prompt style (SPEC §7); {question} is the bare problem statement.
+# DAPO's prompt style (docs/reproduce.md); {question} is the bare problem statement.
 PROMPT_PREFIX = (
     "Solve the following math problem step by step. The last line of your response should be of the form "
     "Answer: $Answer (without quotes) where $Answer is the answer to the problem.\n\n"

@@ -2,7 +2,7 @@
 
 Sample ``j`` of problem ``i`` (in load order) is drawn with seed ``seed + i * k + j``, so a seeded
 server never repeats a sample, and a resumed evaluation asks for exactly the seeds an
-uninterrupted one would have asked for (docs/eval.md, SPEC §7).
+uninterrupted one would have asked for (docs/eval.md, docs/reproduce.md).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ DEFAULT_INSTRUCTION = (
 
 @dataclass(frozen=True)
 class SamplingConfig:
-    """Sampling settings (defaults: the paper's evaluation, SPEC §7).
+    """Sampling settings (defaults: the paper's evaluation, docs/reproduce.md).
 
     Args:
         k: samples per problem (paper: 16).

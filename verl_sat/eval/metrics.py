@@ -1,6 +1,6 @@
 """avg@k and pass@k over per-problem (samples, correct) counts.
 
-- avg@k (the paper's "avg@8" / "avg@16", SPEC §7): for each problem the fraction of its k
+- avg@k (the paper's "avg@8" / "avg@16", docs/reproduce.md): for each problem the fraction of its k
   samples that are correct, averaged over problems. It estimates pass@1 with k samples.
 - pass@k: the unbiased estimator of Chen et al. 2021 (arXiv 2107.03374, Codex, Eq. 1),
   ``1 - C(n - c, k) / C(n, k)`` per problem, averaged over problems.

@@ -1,4 +1,4 @@
-"""Sample k responses per problem, verify them, and report avg@k / pass@k (SPEC §7).
+"""Sample k responses per problem, verify them, and report avg@k / pass@k (docs/reproduce.md).
 
 Two backends:
 

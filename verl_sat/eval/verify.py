@@ -1,6 +1,6 @@
 """The math verifier: answer extraction, MATH-style normalisation, equivalence on math-verify.
 
-One function serves the AIME24 evaluation (SPEC §7, "rule-based math verifier"), the training
+One function serves the AIME24 evaluation (docs/reproduce.md, "rule-based math verifier"), the training
 reward and the validation reward: ``compute_score`` has verl's ``custom_reward_function``
 signature, the paper recipe loads it with ``reward.custom_reward_function.path=
 pkg://verl_sat.eval.verify`` (hydra_configs/sat_paper.yaml), and ``verl_sat.eval`` scores every

@@ -1,4 +1,4 @@
-"""Put training runs beside the paper's Table 1 and figures (SPEC §5, §7).
+"""Put training runs beside the paper's Table 1 and figures (docs/sat.md#diagnostics, §7).
 
 Command line::
 
@@ -33,7 +33,7 @@ from typing import Any
 from verl_sat.files import read_metrics
 from verl_sat.paper.table import LAGS, PAPER_TABLE1, normalize_method
 
-# verl metric names (SPEC §5; verl's trainer for the reward and validation keys).
+# verl metric names (docs/sat.md#diagnostics; verl's trainer for the reward and validation keys).
 REWARD_KEYS = ("critic/score/mean", "critic/rewards/mean")
 DBAR_PI_KEY = "actor/mismatch_abs_mean"
 GATE_RATE_KEY = "actor/sat_gate_rate"
@@ -46,7 +46,7 @@ ACC_KEY_PATTERNS = (
     r"^val-core/[^/]*aime[^/]*/reward/mean@(\d+)$",
     r"^val-core/[^/]*aime[^/]*/score/mean@(\d+)$",
 )
-# One epoch of the paper's data: 30,712 prompts / 256 per iteration ~ 120 iterations (SPEC §7).
+# One epoch of the paper's data: 30,712 prompts / 256 per iteration ~ 120 iterations (docs/reproduce.md).
 DEFAULT_LAST_N = 120
 
 Series = list[tuple[int, float]]

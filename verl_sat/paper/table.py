@@ -1,4 +1,4 @@
-"""The paper's Table 1 as data (SPEC §7), and the canonical method names used by the report.
+"""The paper's Table 1 as data (docs/reproduce.md), and the canonical method names used by the report.
 
 Yang et al. 2026, "Stale but Stable: Staleness-Adaptive Trust Regions for Stabilizing
 Asynchronous Reinforcement Learning", arXiv 2607.18722, Table 1: Qwen3-30B-A3B-Base, AIME24
@@ -129,7 +129,7 @@ def rollout_correction_label(correction: Any) -> str | None:
 
 
 def routing_replay_mode(cfg: Any) -> str:
-    """``sat.routing_replay``, else the actor engine's own ``router_replay.mode`` (SPEC §6)."""
+    """``sat.routing_replay``, else the actor engine's own ``router_replay.mode`` (docs/routing_replay.md)."""
     mode = str(_select(cfg, "sat.routing_replay", "disabled"))
     if mode != "disabled":
         return mode

@@ -1,4 +1,4 @@
-"""Preflight: check a cell of the paper's grid against the node it is about to run on (SPEC §7).
+"""Preflight: check a cell of the paper's grid against the node it is about to run on (docs/reproduce.md).
 
 ``python -m verl_sat.preflight <method> <lag> [--run-dir DIR] [--json] [hydra overrides...]``
 (Hydra's own flags such as ``--cfg job`` among the overrides are left to Hydra)

@@ -1,4 +1,4 @@
-"""The preflight's checks (SPEC §7): pure functions ``(config, facts) -> findings``, and
+"""The preflight's checks (docs/reproduce.md): pure functions ``(config, facts) -> findings``, and
 ``run_checks`` over all of them (``CHECKS``). Nothing here touches the node."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The preflight's facts and estimates (SPEC §7): what the probe gathers about the node
+"""The preflight's facts and estimates (docs/reproduce.md): what the probe gathers about the node
 (``Facts``, ``GPU``, ``ModelFacts``), one result line (``Finding``), and the config helpers and
 estimates the checks share (``param_count``, ``host_optimizer_bytes``, ``rollout_buffer_bytes``,
 ``checkpoint_bytes``, ``bridge_module``, ...).

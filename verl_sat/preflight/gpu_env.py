@@ -1,4 +1,4 @@
-"""The 1-GPU smoke's environment probe (SPEC §7; recipes/sat_paper/smoke_1gpu.sh, stage ``env``).
+"""The 1-GPU smoke's environment probe (docs/reproduce.md; recipes/sat_paper/smoke_1gpu.sh, stage ``env``).
 
 The smoke puts a trainer and a standalone SGLang server on ONE GPU, so Ray must offer two "GPU"
 slots that both land on it. Two ways, tried in this order (``SLOT_MODES``):

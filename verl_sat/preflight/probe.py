@@ -1,4 +1,4 @@
-"""The preflight's probe (SPEC §7): the only place that inspects the node. torch, sglang,
+"""The preflight's probe (docs/reproduce.md): the only place that inspects the node. torch, sglang,
 megatron, cupy, pyarrow and verl's checkpoint engines are imported inside the ``probe_*``
 functions only, so importing this module stays light."""
 

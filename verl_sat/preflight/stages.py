@@ -1,4 +1,4 @@
-"""One stage of a staged GPU check (SPEC §7): run a command, say PASS or FAIL with its time, keep a
+"""One stage of a staged GPU check (docs/reproduce.md): run a command, say PASS or FAIL with its time, keep a
 JSON summary, and on failure show the command's last lines.
 
 ``recipes/sat_paper/smoke_1gpu.sh`` runs each of its stages through this file, by path (it imports

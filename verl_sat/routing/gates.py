@@ -1,4 +1,4 @@
-"""Routing replay for Hugging Face MoE models: record the top-k experts, replay them later (SPEC §6).
+"""Routing replay for Hugging Face MoE models: record the top-k experts, replay them later (docs/routing_replay.md).
 
 R3 ("Rollout Routing Replay", arXiv 2510.11370) records, in the rollout, the experts each token
 was routed to in each MoE layer, and makes the trainer's forward use exactly those experts. R2

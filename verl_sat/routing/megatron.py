@@ -1,4 +1,4 @@
-"""Routing metrics on verl's own Megatron router replay (SPEC §6; docs/routing_replay.md).
+"""Routing metrics on verl's own Megatron router replay (docs/routing_replay.md; docs/routing_replay.md).
 
 On Megatron, R2/R3 are verl's: ``RouterReplay`` (``verl.utils.megatron.router_replay_patch``)
 hands each ``TopKRouter`` the recorded top-k ``R`` before a forward (``REPLAY_FORWARD``) and

@@ -12,7 +12,7 @@ named by a hash of its prompt token ids. Events:
     {"event": "reissued", "step": g, "count": k}        in-flight prompts regenerated on resume
     {"event": "in_flight_at_end", "step": g, "uids": [...]}          still in TransferQueue at the end
 
-``staleness`` is in optimizer steps (SPEC §5, ``verl_sat.trainer.actor.staleness_in_steps``), the
+``staleness`` is in optimizer steps (docs/sat.md#diagnostics, ``verl_sat.trainer.actor.staleness_in_steps``), the
 smallest and largest over the prompt's responses.
 
 Resume (verl's ``trainer.resume_mode=auto``): the checkpoint of step k holds the weights after

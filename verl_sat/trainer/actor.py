@@ -1,8 +1,8 @@
-"""AsyncSATActor: SAT's wiring into verl's v1 trainer and engine workers (SPEC §4-§5).
+"""AsyncSATActor: SAT's wiring into verl's v1 trainer and engine workers (docs/sat.md#which-log-probs).
 
 What verl gives and what it lacks:
 
-- The ratio's denominator must be the rollout log-prob mu (SPEC §4). verl's
+- The ratio's denominator must be the rollout log-prob mu (docs/sat.md#which-log-probs). verl's
   ``algorithm.rollout_correction.bypass_mode=true`` writes ``old_log_probs := rollout_log_probs``
   on the driver, and the v1 trainer keeps ``policy_loss.loss_mode`` as configured. So the
   registered SAT losses see mu through ``old_log_prob``, and ``verl_sat.main`` turns bypass on.
@@ -30,7 +30,7 @@ So verl-sat adds three small pieces, all through public seams:
    buckets (the same keys in every micro-batch, which verl's data-parallel metric gather
    requires); the trainer turns them into exact token-weighted rates for the whole step
    (``finish_staleness_breakdown``); plus ``actor/sat_old_vs_rollout_logprob_gap``, the largest
-   |old_log_prob - rollout_log_prob| over active tokens (0: the ratio is against mu, SPEC §4).
+   |old_log_prob - rollout_log_prob| over active tokens (0: the ratio is against mu, docs/sat.md#which-log-probs).
 
 The Megatron engine uses the same worker classes (``ActorRolloutRefWorker`` /
 ``DetachActorWorker``) and the same ``ppo_loss`` seam, so this code path is engine-agnostic; it
@@ -131,7 +131,7 @@ def staleness_breakdown(
     config: Any,
     gate: torch.Tensor | None = None,
 ) -> dict[str, float]:
-    """Per-staleness token sums of one micro-batch (SPEC §5, ours), for every bucket s:
+    """Per-staleness token sums of one micro-batch (docs/sat.md#diagnostics, ours), for every bucket s:
 
     tokens_s = #{active tokens whose sample has staleness s}
     gated_s  = #{those tokens with q > 0, |d| > q}           (q from the whole micro-batch)
@@ -152,7 +152,7 @@ def staleness_breakdown(
         sat = sat_settings(config.policy_loss)
         if config.policy_loss.get("loss_mode", "vanilla") in ("gspo", "sat_gspo"):
             seq = (d * mask).sum(-1) / mask.sum(-1).clamp(min=1)
-            score = seq.unsqueeze(-1).expand_as(d)  # the sequence score SAT-GSPO gates on (SPEC §3)
+            score = seq.unsqueeze(-1).expand_as(d)  # the sequence score SAT-GSPO gates on (docs/sat.md#sequence-level)
         else:
             score = d
         gate = sat_factors(score, mask, sat.sat_alpha, sat.sat_kernel, sat.sat_kernel_exponent).gate
@@ -238,7 +238,7 @@ def sat_ppo_loss(config: Any, model_output: Any, data: Any, dp_group: Any = None
         mu = mu_log_prob(old)  # the losses' own rule for log mu (the rollout's, when it fits)
     extra: dict[str, float] = {}
     if rollout is not None:
-        # 0 when the ratio's denominator is the rollout's mu (SPEC §4; bypass mode), > 0 when
+        # 0 when the ratio's denominator is the rollout's mu (docs/sat.md#which-log-probs; bypass mode), > 0 when
         # it is a trainer-side recomputation (decoupled mode)
         gap = (old - rollout).abs().masked_fill(~mask, 0.0)
         extra["actor/sat_old_vs_rollout_logprob_gap"] = float(gap.max()) if gap.numel() else 0.0
@@ -257,7 +257,7 @@ def step_gate_rate(data: Any, gate: torch.Tensor) -> Any:
     """The step's exact token-weighted gate rate, as this micro-batch's share (step scope).
 
     gated_mb * dp_size / N_step, summed by verl over micro-batches and averaged over the dp_size
-    ranks: sum over the step's micro-batches and ranks of gated / N_step (SPEC §5's gate rate).
+    ranks: sum over the step's micro-batches and ranks of gated / N_step (docs/sat.md#diagnostics).
     """
     from verl.utils import tensordict_utils as tu
     from verl.utils.metric import AggregationType, Metric

@@ -1,4 +1,4 @@
-"""Mismatch-driven lag, ``sat.lag=auto``: broadcast the weights when the mismatch asks for it (SPEC §1, §2).
+"""Mismatch-driven lag, ``sat.lag=auto``: broadcast the weights when the mismatch asks for it (docs/sat.md#setting, §2).
 
 A fixed lag n broadcasts after every n-th optimizer step, whatever the policy did in between.
 SAT already measures, every step, how far the rollout's policy mu has drifted from the trained
@@ -14,7 +14,7 @@ trains on a batch drawn before it, whose mismatch speaks of the weights the roll
 holds; counting it would broadcast again at once (``fresh=false``, the rule of the first auto-lag
 study, did: 41% of its broadcasts came one step after the previous one; docs/study.md).
 
-signals (all logged by SAT's losses every step, SPEC §2):
+signals (all logged by SAT's losses every step, docs/sat.md#the-rule):
     dbar_pi      = mean over the batch's tokens of |log pi_theta - log mu|   (default; paper Eq. 52)
     q            = the step's alpha-quantile of |d|, d = log pi_theta - log mu
     intercepted  = share of tokens SAT clips that PPO alone does not

@@ -1,6 +1,6 @@
-"""The collapse sentinel: online detection of the late-collapse signature (SPEC §5, §7).
+"""The collapse sentinel: online detection of the late-collapse signature (docs/sat.md#diagnostics, §7).
 
-The paper reports that plain GRPO and GSPO "collapse later" at lag 8 (SPEC §7, Table 1): the
+The paper reports that plain GRPO and GSPO "collapse later" at lag 8 (docs/reproduce.md, Table 1): the
 reward falls and stays down while the train/rollout mismatch ``dbar_pi`` grows. The sentinel
 watches the per-step metrics that verl already logs and raises an alarm on that signature, so a
 long run can log it, stop, or roll back to the last healthy checkpoint (``docs/sentinel.md``).
@@ -560,7 +560,7 @@ class SentinelTrainerMixin:
         self._sentinel_write()
 
     def _sentinel_safer_setting(self) -> dict[str, tuple[int, int]]:
-        """After a rollback, halve the lag (``sat.sentinel.after_rollback=halve_lag``; SPEC §1).
+        """After a rollback, halve the lag (``sat.sentinel.after_rollback=halve_lag``; docs/sat.md#setting).
 
         In separate_async one global step holds ``parameter_sync_step`` optimizer steps over as
         many mini-batches (``verl_sat.trainer.recipe.apply_lag``). verl's step reads both numbers below
