@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from verl_sat.main import METRICS_FILE, read_metrics
+from verl_sat.files import METRICS_FILE, read_metrics
 from verl_sat.trainer import progress as job_summary
 from verl_sat.trainer.auto_lag import BROADCAST_KEY, LAG_KEY
 

@@ -9,7 +9,7 @@ to verl's data shuffling (``data.seed``), the actor's data loader
 and the rollout's sampling generator (``actor_rollout_ref.rollout.seed``). Printed per seed: the
 wall time of the whole command (start-up included), the mean reward of the first and the last
 quarter of the global steps, the split of a step's time (verl_sat.trainer.progress), and pass/fail
-against issue 14's criteria: at most ``--max-wall`` seconds and a last-quarter reward at least
+against two criteria: at most ``--max-wall`` seconds and a last-quarter reward at least
 ``--min-gain`` above the first quarter's.
 """
 
@@ -22,7 +22,7 @@ import sys
 import time
 from pathlib import Path
 
-from verl_sat.main import METRICS_FILE, read_metrics
+from verl_sat.files import METRICS_FILE, read_metrics
 from verl_sat.trainer import progress as job_summary
 
 

@@ -1,4 +1,4 @@
-"""benchmarks/autolag_study.py: the committed protocol's plan, the pilot's target rule, and a tiny
+"""studies/autolag/autolag_study.py: the committed protocol's plan, the pilot's target rule, and a tiny
 study end to end (pilot, target, fixed and auto arms, summary)."""
 
 from __future__ import annotations
@@ -12,12 +12,12 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
+STUDY = REPO / "studies" / "autolag"
 
 
 @pytest.fixture(scope="module")
 def autolag():
-    sys.path.insert(0, str(REPO / "benchmarks"))
-    spec = importlib.util.spec_from_file_location("autolag_study", REPO / "benchmarks" / "autolag_study.py")
+    spec = importlib.util.spec_from_file_location("autolag_study", STUDY / "autolag_study.py")
     module = importlib.util.module_from_spec(spec)
     sys.modules["autolag_study"] = module
     spec.loader.exec_module(module)
@@ -38,7 +38,7 @@ def test_the_protocol_fixes_fresh_seeds_and_the_four_arms(autolag):
 
 def test_the_second_protocol_changes_only_the_rule_and_the_seeds(autolag):
     first = autolag.read_protocol(autolag.PROTOCOL)
-    second = autolag.read_protocol(REPO / "docs" / "study_protocol_autolag2.md")
+    second = autolag.read_protocol(STUDY / "study_protocol_autolag2.md")
     assert second["auto"] == {**first["auto"], "fresh": True}
     assert not set(second["seeds"]) & {*first["seeds"], first["pilot"]["seed"]} and len(second["seeds"]) >= 8
     assert {k: v for k, v in second.items() if k not in ("auto", "seeds")} == {

@@ -1,5 +1,6 @@
-"""benchmarks/sat_study.py: the search's rule, the protocol gate, the paired analysis, the
-fingerprint, and one tiny study end to end through the worker pool."""
+"""studies/confirmatory/sat_study.py: the search's rule, the protocol gate (a moved protocol keeps its
+commit), the paired analysis, the fingerprint, the committed results, and one tiny study end to end
+through the worker pool."""
 
 from __future__ import annotations
 
@@ -12,12 +13,12 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
+STUDY = REPO / "studies" / "confirmatory"
 
 
 @pytest.fixture(scope="module")
 def study():
-    sys.path.insert(0, str(REPO / "benchmarks"))
-    spec = importlib.util.spec_from_file_location("sat_study", REPO / "benchmarks" / "sat_study.py")
+    spec = importlib.util.spec_from_file_location("sat_study", STUDY / "sat_study.py")
     module = importlib.util.module_from_spec(spec)
     sys.modules["sat_study"] = module
     spec.loader.exec_module(module)
@@ -77,11 +78,16 @@ def git(repo: Path, *args: str) -> None:
     subprocess.run(["git", "-C", str(repo), *args], check=True, capture_output=True)
 
 
+def git_repo(path: Path) -> Path:
+    git(path, "init", "-q")
+    git(path, "config", "user.email", "t@t")
+    git(path, "config", "user.name", "t")
+    return path
+
+
 def test_a_confirmatory_run_needs_the_committed_unchanged_protocol(study, tmp_path):
-    git(tmp_path, "init", "-q")
-    git(tmp_path, "config", "user.email", "t@t")
-    git(tmp_path, "config", "user.name", "t")
-    protocol = tmp_path / "docs" / "study_protocol.md"
+    git_repo(tmp_path)
+    protocol = tmp_path / "studies" / "study_protocol.md"
     with pytest.raises(SystemExit, match="does not exist"):
         study.protocol_state(protocol, tmp_path)
     protocol.parent.mkdir()
@@ -96,6 +102,43 @@ def test_a_confirmatory_run_needs_the_committed_unchanged_protocol(study, tmp_pa
     protocol.write_text(protocol.read_text() + "changed\n")
     with pytest.raises(SystemExit, match="uncommitted changes"):
         study.protocol_state(protocol, tmp_path)
+
+
+def test_a_protocol_moved_with_git_mv_keeps_its_commit_and_blob(study, tmp_path):
+    """A move that keeps every byte is not a change: the results that carry the protocol's commit
+    and blob still name it; an edit after the move is a new commit."""
+    git_repo(tmp_path)
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "p.md").write_text('# p\n\n```json\n{"stress_lag": 8}\n```\n')
+    git(tmp_path, "add", ".")
+    git(tmp_path, "commit", "-q", "-m", "protocol")
+    before = study.protocol_state(tmp_path / "docs" / "p.md", tmp_path)
+    (tmp_path / "studies").mkdir()
+    git(tmp_path, "mv", "docs/p.md", "studies/p.md")
+    with pytest.raises(SystemExit, match="uncommitted changes|not committed"):
+        study.protocol_state(tmp_path / "studies" / "p.md", tmp_path)  # the move itself is not committed yet
+    git(tmp_path, "commit", "-q", "-m", "move")
+    moved = study.protocol_state(tmp_path / "studies" / "p.md", tmp_path)
+    assert moved == {**before, "protocol_path": "studies/p.md"}
+    (tmp_path / "studies" / "p.md").write_text("# p, edited\n")
+    git(tmp_path, "commit", "-q", "-am", "edit")
+    assert study.protocol_state(tmp_path / "studies" / "p.md", tmp_path)["protocol_commit"] != before["protocol_commit"]
+
+
+def test_the_protocols_are_the_committed_results_own(study):
+    """Each protocol's blob is the one its committed results carry (a moved protocol is byte-identical)."""
+    import csv
+
+    autolag = REPO / "studies" / "autolag"
+    for protocol, runs in (
+        (STUDY / "study_protocol.md", STUDY / "results" / "runs.csv"),
+        (STUDY / "study_protocol.md", STUDY / "results" / "warmup_a44e53f" / "runs.csv"),
+        (autolag / "study_protocol_autolag.md", autolag / "results" / "autolag_runs.csv"),
+        (autolag / "study_protocol_autolag2.md", autolag / "results2" / "autolag_runs.csv"),
+    ):
+        blob = subprocess.run(["git", "hash-object", str(protocol)], capture_output=True, text=True, check=True)
+        assert {r["protocol_blob"] for r in csv.DictReader(runs.open())} == {blob.stdout.strip()}, protocol.name
+    assert study.PROTOCOL == STUDY / "study_protocol.md" and study.REPO == REPO
 
 
 def test_confirmatory_specs_follow_the_protocol(study):
@@ -158,7 +201,7 @@ def committed_runs(directory: str) -> list[dict]:
     """A committed runs.csv, typed as ``run_stats`` writes it (the fields the paired analysis reads)."""
     import csv
 
-    rows = list(csv.DictReader((REPO / "docs" / "study" / "confirmatory" / directory / "runs.csv").open()))
+    rows = list(csv.DictReader((STUDY / "results" / directory / "runs.csv").open()))
     return [
         {
             **r,

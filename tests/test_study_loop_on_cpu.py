@@ -49,11 +49,6 @@ def test_the_lag_sets_the_staleness_as_the_trainer_does(model_and_tokenizer, var
     assert [r["training/sat/staleness_steps/max"] for r in lag1] == [0, 1, 1]  # lag 1 is one step off
 
 
-def test_the_legacy_schedule_keeps_the_first_studys_staleness(model_and_tokenizer, varied_reward):
-    rows = run(model_and_tokenizer, steps=6, lag=3, lr=1e-2, staleness="legacy")
-    assert [r["training/sat/staleness_steps/max"] for r in rows] == [0, 1, 2, 0, 1, 2]
-
-
 def test_held_out_accuracy_is_the_trained_policys_on_problems_never_trained(model_and_tokenizer, varied_reward):
     from verl_sat.study.loop import HELDOUT_GREEDY_KEY, HELDOUT_KEY, heldout_problems
 
@@ -165,7 +160,6 @@ def test_run_writes_verls_file_logger_format(model_and_tokenizer, tmp_path):
         ("routing_replay", "R2"),
         ("rollout_n", 1),
         ("logit_bias_std", -1.0),
-        ("staleness", "none"),
         ("correction", "is_token"),
         ("eval_problems", -1),
         ("eval_at", (5000,)),

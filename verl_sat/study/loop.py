@@ -1,4 +1,4 @@
-"""An in-process asynchronous RL loop for many-seed studies: one Python process, no Ray (issue 15).
+"""An in-process asynchronous RL loop for many-seed studies: one Python process, no Ray.
 
 verl's trainer on two CPU cores pays about 65 s of start-up per run (Ray, ~6 processes importing
 verl, FSDP, the rollout server) and ~3.5 s per optimizer step, so a study of 50 runs of a few
@@ -6,7 +6,7 @@ hundred optimizer steps is out of reach through it. This loop runs the same piec
 process, with the model built once per run from the cached default assets (start-up well under a
 second after the first import):
 
-    after every n-th optimizer step: rollout <- trainer weights          (the lag n, SPEC §1)
+    after every n-th optimizer step: rollout <- trainer weights          (the lag n, docs/sat.md#setting)
         (``auto_lag``: after a step whose signal exceeds ``auto_target``, within [auto_min, lag],
         the rule of verl_sat.trainer.auto_lag, the same object the trainer uses)
     y ~ mu: the CPU trainer's own HF rollout engine (verl_sat.rollout.engine.HFEngine), with its
@@ -17,18 +17,17 @@ second after the first import):
     A = verl's GRPO outcome advantage (core_algos.compute_grpo_outcome_advantage)
     log pi = the trainer's forward (R3: the rollout's routes replayed, verl_sat.routing.gates)
     loss = verl's registered policy loss (core_algos.get_policy_loss_fn), ratio against
-        old = log mu                          (bypass, as the CPU default: SPEC §4), or, for a
+        old = log mu                          (bypass, as the CPU default: docs/sat.md#which-log-probs), or, for a
         rollout correction (TIS, IcePop, geometric sequence rejection: verl's rollout_corr_helper),
         old = log pi_old, pi_old = the weights of the last broadcast, fixed for the sync cycle as
         in verl's decoupled mode (old_log_prob is recomputed once per global step)
-    one AdamW step on the whole batch (one mini-batch per optimizer step: q is the step's, SPEC §2)
+    one AdamW step on the whole batch (one mini-batch per optimizer step: q is the step's, docs/sat.md#the-rule)
     held-out accuracy: the *trained* policy (trainer weights, no rollout mismatch) samples the
         fixed held-out problems at temperature 1 at ``eval_at`` steps and at the last step
 
 A sample trained at optimizer step j (0-based) was drawn while step j - 1 trained, by the weights
 of the last broadcast, n * floor((j - 1) / n): staleness j - n * floor((j - 1) / n), in [1, n]
-(0 at the first step). ``staleness="legacy"`` keeps the first study's schedule (drawn at step j
-after the broadcast, staleness j mod n in [0, n - 1]). Metrics use verl's names (``critic/score/mean``,
+(0 at the first step). Metrics use verl's names (``critic/score/mean``,
 ``actor/mismatch_abs_mean`` = dbar_pi, ``actor/sat_gate_rate``, ``actor/grad_norm``,
 ``actor/entropy``) and are written as verl's file logger does (``{"step", "data"}`` per line), so
 ``verl_sat.paper.report`` and the collapse sentinel read them unchanged.
@@ -52,10 +51,9 @@ import torch
 
 LOSS_MODES = ("sat", "sat_gspo", "vanilla", "gspo", "dppo_tv", "cispo")
 SEQUENCE_LEVEL = ("sat_gspo", "gspo")
-"""losses whose ratio and SAT score are GSPO's sequence ratio (SPEC §3); the others are token level"""
+"""losses whose ratio and SAT score are GSPO's sequence ratio (docs/sat.md#sequence-level); the others: token level"""
 CORRECTIONS = ("none", "tis", "icepop", "geo_rs")
 ROUTING_REPLAY = ("disabled", "R3")
-STALENESS = ("trainer", "legacy")
 METRICS_FILE = "metrics.jsonl"
 HELDOUT_KEY = "eval/heldout_acc"
 HELDOUT_GREEDY_KEY = "eval/heldout_greedy_acc"
@@ -78,7 +76,7 @@ class LoopConfig:
     rs_threshold: float = 2.0
     """the rejection corrections' upper ratio bound (verl's rollout_rs_threshold; lower = 1 / upper)"""
     routing_replay: str = "disabled"
-    """disabled | R3 (the rollout's routes replayed in the trainer's forward, SPEC §6)"""
+    """disabled | R3 (the rollout's routes replayed in the trainer's forward, docs/routing_replay.md)"""
     lag: int = 1
     """optimizer steps between weight broadcasts (the paper's n)"""
     auto_lag: bool = False
@@ -88,8 +86,6 @@ class LoopConfig:
     auto_signal: str = "dbar_pi"
     auto_fresh: bool = True
     """only a batch drawn by the rollout's current weights can trigger (AutoLagConfig.fresh)"""
-    staleness: str = "trainer"
-    """trainer: one batch in flight, staleness in [1, n] as verl's separate_async | legacy: [0, n - 1]"""
     steps: int = 200
     """optimizer steps"""
     lr: float = 4e-4
@@ -135,7 +131,6 @@ class LoopConfig:
             "prompts_per_step": (self.prompts_per_step >= 1, ">= 1"),
             "rollout_n": (self.rollout_n >= 2, ">= 2 (GRPO needs a group)"),
             "max_response_length": (self.max_response_length >= 1, ">= 1"),
-            "staleness": (self.staleness in STALENESS, f"one of {STALENESS}"),
             "tis_threshold": (self.tis_threshold > 1.0, "> 1"),
             "rs_threshold": (self.rs_threshold > 1.0, "> 1"),
             "eval_problems": (0 <= self.eval_problems <= 5000, "in [0, 5000] (there are 10,000 sums)"),
@@ -146,7 +141,6 @@ class LoopConfig:
         }
         for name in ("logit_bias_std", "logit_noise_std", "router_bias_std", "router_noise_std"):
             checks[name] = (getattr(self, name) >= 0, ">= 0")
-        checks["auto_lag"] = (not self.auto_lag or self.staleness == "trainer", "false with staleness='legacy'")
         for name, (ok, want) in checks.items():
             if not ok:
                 raise ValueError(f"LoopConfig.{name} must be {want}, got {getattr(self, name)!r}")
@@ -249,9 +243,9 @@ def sat_activity(
 ) -> dict[str, float]:
     """Where SAT would act on this batch, for every arm (SAT on or off): ``study/*`` metrics.
 
-    d = log pi - log mu (token), or GSPO's mean_t d broadcast to the response (SPEC §3); the
+    d = log pi - log mu (token), or GSPO's mean_t d broadcast to the response (docs/sat.md#sequence-level); the
     ratio r = exp(log pi - log old) as the arm's loss forms it (token or sequence);
-    q = alpha-quantile of |d| over T_act; gated = 1{q > 0, |d| > q} (SPEC §2 steps 1-5);
+    q = alpha-quantile of |d| over T_act; gated = 1{q > 0, |d| > q} (docs/sat.md#the-rule, steps 1-5);
     intercepted = tokens in {A > 0, 1 + eps_high~ < r < 1 + eps_high} or its mirror.
     SAT can change an update only through intercepted tokens, which need q < log(1 + eps_high)
     for the positive side: ``study/q_below_radius`` says whether it is.
@@ -283,7 +277,7 @@ def _sequence_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 
 def load_assets(assets_dir: str | Path) -> tuple[Any, Any]:
-    """(model, tokenizer) from the default's cached assets (``verl_sat.main.build_assets_once``)."""
+    """(model, tokenizer) from the default's cached assets (``verl_sat.default.assets.build_assets_once``)."""
     from transformers import AutoTokenizer
 
     from verl_sat.rollout.engine import load_model
@@ -510,32 +504,27 @@ class StudyLoop:
             sink = (out / METRICS_FILE).open("w")
         from verl_sat.trainer.auto_lag import BROADCAST_KEY, AutoLag, signal_of
 
-        lag, in_flight = self.cfg.lag, self.cfg.staleness == "trainer"
+        lag = self.cfg.lag
         gate = AutoLag(self.cfg.auto_lag_config()) if self.cfg.auto_lag else None
         try:
             initial = self.heldout_accuracy() if self.cfg.eval_problems > 0 and 0 in self.cfg.eval_at else {}
             self.sync_weights(0)
-            pending = self.generate() if in_flight else None
+            pending = self.generate()
             for step in range(self.cfg.steps):
                 start = time.perf_counter()
-                if in_flight:  # step's batch was drawn while the previous step trained
-                    batch, pending = pending, (self.generate() if step + 1 < self.cfg.steps else None)
-                else:
-                    if step % lag == 0 and step > 0:
-                        self.sync_weights(step)
-                    batch = self.generate()
+                # step's batch was drawn while the previous step trained (one batch in flight)
+                batch, pending = pending, (self.generate() if step + 1 < self.cfg.steps else None)
                 gen_s = time.perf_counter() - start
                 metrics = self.update(batch)
-                if in_flight:
-                    if gate is None:
-                        broadcast = (step + 1) % lag == 0  # the broadcast after every n-th optimizer step
-                        metrics[BROADCAST_KEY] = float(broadcast)
-                    else:  # sat.lag=auto: the trainer's rule on this step's signal
-                        signal = signal_of(metrics, gate.config)
-                        broadcast, k = gate.decide(signal, fresh=batch.version >= self.version)
-                        metrics.update(gate.step_metrics(broadcast, k, signal))
-                    if broadcast:
-                        self.sync_weights(step + 1)
+                if gate is None:
+                    broadcast = (step + 1) % lag == 0  # the broadcast after every n-th optimizer step
+                    metrics[BROADCAST_KEY] = float(broadcast)
+                else:  # sat.lag=auto: the trainer's rule on this step's signal
+                    signal = signal_of(metrics, gate.config)
+                    broadcast, k = gate.decide(signal, fresh=batch.version >= self.version)
+                    metrics.update(gate.step_metrics(broadcast, k, signal))
+                if broadcast:
+                    self.sync_weights(step + 1)
                 metrics["training/sat/staleness_steps/max"] = float(step - batch.version)
                 metrics["timing_s/gen"] = gen_s
                 if self._eval_due(step + 1):
@@ -551,29 +540,6 @@ class StudyLoop:
             if sink is not None:
                 sink.close()
         return rows
-
-
-# -- worker processes of a multi-run study: import and load once, then run many configs -------
-_WORKER_ASSETS: tuple[Any, Any] | None = None
-
-
-def worker_init(assets_dir: str) -> None:
-    """A study worker's one start-up: import verl-sat (registering its losses) and load the assets."""
-    global _WORKER_ASSETS
-    import verl_sat  # noqa: F401
-
-    _WORKER_ASSETS = load_assets(assets_dir)
-
-
-def run_in_worker(cfg: LoopConfig, run_dir: str, method: str) -> dict[str, Any]:
-    """One run on the worker's loaded assets; returns its name, build time and wall time."""
-    if _WORKER_ASSETS is None:
-        raise RuntimeError("run_in_worker needs worker_init first (the pool's initializer)")
-    start = time.perf_counter()
-    loop = StudyLoop(cfg, *_WORKER_ASSETS)
-    startup = time.perf_counter() - start
-    loop.run(run_dir, method=method)
-    return {"name": Path(run_dir).name, "startup_s": startup, "run_s": time.perf_counter() - start}
 
 
 def _scalar(value: Any) -> bool:

@@ -79,7 +79,7 @@ def replay_sentinel(rows: Rows, config: SentinelConfig) -> tuple[list[int], int]
     return alarms, scored
 
 
-# -- the confirmatory study's paired tests (docs/study_protocol.md): exact, no SciPy -----------
+# -- the confirmatory study's paired tests (studies/confirmatory/study_protocol.md): exact, no SciPy
 def _betacf(a: float, b: float, x: float) -> float:
     """Continued fraction of the regularized incomplete beta function (modified Lentz)."""
     tiny, qab, qap, qam = 1e-300, a + b, a + 1.0, a - 1.0

@@ -1,12 +1,16 @@
-"""Mismatch-driven lag against fixed lags, in the study harness (issue 24; docs/study_protocol_autolag.md).
+"""Mismatch-driven lag against fixed lags, in the study harness (study_protocol_autolag.md, next to this script).
 
-    python benchmarks/autolag_study.py run --out docs/study/autolag     # the pilot, then 40 runs
-    python benchmarks/autolag_study.py summarize docs/study/autolag     # tables, CSV and figures again
-    python benchmarks/autolag_study.py run --dry-run                    # the plan only
-    python benchmarks/autolag_study.py run --protocol docs/study_protocol_autolag2.md --out docs/study/autolag2
+    python studies/autolag/autolag_study.py run --out studies/autolag/results         # the pilot, then 40 runs
+    python studies/autolag/autolag_study.py summarize studies/autolag/results         # tables, CSV and figures again
+    python studies/autolag/autolag_study.py run --dry-run                             # the plan only
+    python studies/autolag/autolag_study.py run --protocol studies/autolag/study_protocol_autolag2.md \
+        --out studies/autolag/results2
+
+The committed results: studies/autolag/results/ (protocol 1) and studies/autolag/results2/
+(protocol 2, study_protocol_autolag2.md).
 
 Every run is one ``verl_sat.study.loop.StudyLoop`` of SAT-GSPO + R3 in the regime of
-docs/study_protocol.md; the arms differ only in when the weights are broadcast: every 1, 4 or 8
+studies/confirmatory/study_protocol.md; the arms differ only in when the weights are broadcast: every 1, 4 or 8
 optimizer steps, or by ``verl_sat.trainer.auto_lag``'s rule (the object the trainer uses). The target of
 the auto arm comes from a pilot run by the protocol's rule (``pilot_target``). Everything the runs
 use is read from the protocol's JSON block, which must be committed and unchanged.
@@ -23,7 +27,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "confirmatory"))
 from sat_study import (  # noqa: E402  (the run spec, provenance and per-run statistics)
     DBAR_PI_KEY,
     REPO,
@@ -39,12 +43,12 @@ from sat_study import (  # noqa: E402  (the run spec, provenance and per-run sta
     run_stats,
     write_csv,
 )
-from staleness_study import smooth  # noqa: E402
 
+from verl_sat.study.harness import smooth  # noqa: E402
 from verl_sat.study.stats import paired_comparison, paired_t_interval  # noqa: E402
 from verl_sat.trainer.auto_lag import BROADCAST_KEY, LAG_KEY  # noqa: E402
 
-PROTOCOL = REPO / "docs" / "study_protocol_autolag.md"
+PROTOCOL = Path(__file__).resolve().parent / "study_protocol_autolag.md"
 AUTO, PILOT = "auto", "pilot"
 TARGET_FILE = "autolag_target.json"
 
@@ -191,7 +195,7 @@ def summarize(out: Path, protocol: dict[str, Any]) -> list[dict[str, Any]]:
     pilot = protocol["pilot"]
     trigger = "a fresh batch only" if protocol["auto"].get("fresh") else "any batch"
     text = [
-        f"# Mismatch-driven lag against fixed lags ({meta.get('protocol_path', 'docs/study_protocol_autolag.md')})",
+        f"# Mismatch-driven lag against fixed lags ({meta.get('protocol_path', PROTOCOL.relative_to(REPO))})",
         "",
         f"Protocol commit `{meta.get('protocol_commit')}` (blob `{meta.get('protocol_blob')}`), assets "
         f"`{meta.get('assets_fingerprint')}`. SAT-GSPO + R3 in every arm; settings: "

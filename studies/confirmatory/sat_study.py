@@ -1,20 +1,25 @@
-"""SAT's working range, and the pre-registered study of what SAT does in it (issue 21).
+"""SAT's working range, and the pre-registered study of what SAT does in it (docs/study.md).
 
 Every run is one :class:`verl_sat.study.loop.StudyLoop` (the CPU trainer's HF rollout engine,
 verl's registered losses, GRPO advantage and rollout correction, one process; docs/study.md says
-what it does and does not exercise), run on ``--jobs`` worker processes that load the assets once.
+what it does and does not exercise), run on ``--jobs`` worker processes that load the assets once
+(:func:`verl_sat.study.harness.run_all`).
 
-    python benchmarks/sat_study.py search --out runs/sat_search     # baselines only, search seeds
-    python benchmarks/sat_study.py primary --out runs/sat_study     # the protocol's primary contrast
-    python benchmarks/sat_study.py dose --out runs/sat_study        # lags 1..16, both arms
-    python benchmarks/sat_study.py stabilizers --out runs/sat_study # the field's stabilizers
-    python benchmarks/sat_study.py quick --out runs/sat_quick       # <= 10 min: the whole pipeline
-    python benchmarks/sat_study.py summarize runs/sat_study         # tables, CSV and figures again
+    python studies/confirmatory/sat_study.py search --out runs/sat_search     # baselines only, search seeds
+    python studies/confirmatory/sat_study.py primary --out runs/sat_study     # the protocol's primary contrast
+    python studies/confirmatory/sat_study.py dose --out runs/sat_study        # lags 1..16, both arms
+    python studies/confirmatory/sat_study.py stabilizers --out runs/sat_study # the field's stabilizers
+    python studies/confirmatory/sat_study.py quick --out runs/sat_quick       # <= 10 min: the whole pipeline
+    python studies/confirmatory/sat_study.py summarize runs/sat_study         # tables, CSV and figures again
+
+The committed results: studies/confirmatory/search/ (the search) and studies/confirmatory/results/
+(the confirmatory phases; results/warmup_a44e53f/ the runs from the second warm-up).
 
 ``search`` runs the baselines alone (GSPO and GSPO + R3 at lags 1 and 8, over learning rates
 and routing mismatches) on a seed that is never used again, and picks the regime by the rule in
 ``pick_regime`` (fixed before the search ran). The confirmatory phases read everything they run
-(regime, arms, seeds, horizon, evaluation) from the JSON block of docs/study_protocol.md, and
+(regime, arms, seeds, horizon, evaluation) from the JSON block of study_protocol.md (next to
+this script), and
 refuse to start while that file is uncommitted or changed; each result carries the protocol's
 commit and blob hashes and the assets' fingerprint.
 
@@ -36,18 +41,16 @@ import re
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import staleness_study  # noqa: E402  (the run spec)
-from staleness_study import run_all, smooth  # noqa: E402  (the worker pool and the moving average)
-
-from verl_sat.main import read_metrics  # noqa: E402
-from verl_sat.study.loop import HELDOUT_GREEDY_KEY, HELDOUT_KEY, METRICS_FILE, LoopConfig  # noqa: E402
-from verl_sat.study.stats import (  # noqa: E402
+from verl_sat.files import METRICS_FILE, read_metrics
+from verl_sat.study import harness
+from verl_sat.study.harness import run_all, smooth
+from verl_sat.study.loop import HELDOUT_GREEDY_KEY, HELDOUT_KEY
+from verl_sat.study.stats import (
     cpu_sentinel_config,
     final_mean,
     paired_comparison,
@@ -55,8 +58,9 @@ from verl_sat.study.stats import (  # noqa: E402
     replay_sentinel,
 )
 
-REPO = Path(__file__).resolve().parents[1]
-PROTOCOL = REPO / "docs" / "study_protocol.md"
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parents[1]
+PROTOCOL = HERE / "study_protocol.md"
 RADIUS = math.log1p(0.2)  # log(1 + eps_high): SAT's positive-side band is empty for q above it
 REWARD_KEY, DBAR_PI_KEY = "critic/score/mean", "actor/mismatch_abs_mean"
 Q_KEY, INTERCEPT_KEY, GATE_KEY = "study/q", "study/intercepted_frac", "study/gate_rate"
@@ -111,15 +115,10 @@ BASE_SETTINGS: dict[str, Any] = {
 QUICK = {"arms": ("gspo_r3", "sat_gspo_r3"), "lags": (1, 8), "seeds": (801,), "steps": 48, "eval_problems": 128}
 
 
-@dataclass(frozen=True)
-class Spec(staleness_study.Spec):
-    """The stress study's run spec (arm, lag, seed, settings, tag; same run names), on this study's arms."""
+class Spec(harness.Spec):
+    """The harness's run spec (arm, lag, seed, settings, tag) on this study's arms."""
 
-    def config(self) -> LoopConfig:
-        fields = {**dict(self.settings), **ARMS[self.arm], "lag": self.lag, "seed": self.seed}
-        if "eval_at" in fields:
-            fields["eval_at"] = tuple(fields["eval_at"])
-        return LoopConfig(**fields)
+    arms: ClassVar[Mapping[str, Mapping[str, Any]]] = ARMS
 
 
 def specs_for(
@@ -129,8 +128,6 @@ def specs_for(
     out = []
     for lag in lags:
         for arm in arms:
-            if arm not in ARMS:
-                raise ValueError(f"unknown arm {arm!r}; known: {sorted(ARMS)}")
             for seed in seeds:
                 spec = Spec(arm, lag, seed, tuple(sorted(settings.items())), tag)
                 spec.config()
@@ -246,12 +243,24 @@ def _git(repo: Path, *args: str) -> str:
     return subprocess.run(["git", "-C", str(repo), *args], capture_output=True, text=True, check=False).stdout.strip()
 
 
+def content_commit(rel: str, repo: Path = REPO) -> str:
+    """The last commit that changed the content of ``rel``, following renames: a move that keeps every
+    byte (git's R100) is not a change, so a protocol moved into its study's folder keeps its commit."""
+    log = _git(repo, "log", "--follow", "--format=%x00%H", "--name-status", "--", rel)
+    for entry in log.split("\0")[1:]:
+        commit, *status = entry.split()
+        if not status or status[0] != "R100":
+            return commit
+    return ""
+
+
 def protocol_state(path: Path = PROTOCOL, repo: Path = REPO) -> dict[str, str]:
-    """The protocol's last commit and blob hash; raises unless it is committed and unchanged."""
+    """The protocol's commit (:func:`content_commit`) and blob hash; raises unless it is committed
+    and unchanged. A protocol is moved only with ``git mv`` and never edited: the blob names it."""
     rel = str(path.relative_to(repo))
     if not path.is_file():
         raise SystemExit(f"[study] {rel} does not exist: write and commit the protocol before a confirmatory run")
-    commit = _git(repo, "log", "-1", "--format=%H", "--", rel)
+    commit = content_commit(rel, repo)
     if not commit:
         raise SystemExit(f"[study] {rel} is not committed: commit the protocol before a confirmatory run")
     if _git(repo, "status", "--porcelain", "--", rel):
@@ -414,7 +423,7 @@ def summarize_confirmatory(out: Path, protocol: dict[str, Any]) -> list[dict[str
         if s["arm"] in protocol["primary"] and s["lag"] == lag
     ]
     text = [
-        "# Confirmatory study (docs/study_protocol.md)",
+        f"# Confirmatory study ({meta.get('protocol_path', 'studies/confirmatory/study_protocol.md')})",
         "",
         f"Protocol commit `{meta.get('protocol_commit')}` (blob `{meta.get('protocol_blob')}`), assets "
         f"`{meta.get('assets_fingerprint')}`. Settings: "
@@ -608,7 +617,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _default_assets() -> Path:
-    from verl_sat.main import build_assets_once, default_assets_dir
+    from verl_sat.default.assets import build_assets_once, default_assets_dir
 
     assets = default_assets_dir()
     build_assets_once(assets)
