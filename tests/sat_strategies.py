@@ -1,4 +1,4 @@
-"""One hypothesis strategy for SAT's invariants (SPEC §2-§4), and the spec's formulas written out.
+"""One hypothesis strategy for SAT's invariants, and the paper's formulas (docs/sat.md) written out.
 
 ``sat_cases(level)`` draws a micro-batch (log-probs, advantages, response mask, alpha, radii,
 kernel) whose log-ratios are built in units of the clip radii: a background of small mismatches
@@ -8,15 +8,15 @@ outside SAT's: the newly clipped bands
 
     {A > 0, 1 + eps_high~ < r < 1 + eps_high}   and   {A < 0, 1 - eps_low < r < 1 - eps_low~}
 
-where every property of SPEC §2 (Proposition 4.1) bites. The other draws are the controls: stale
-tokens beyond PPO's range too, just above q, of the sign opposite to A, more stale tokens than
-1 - alpha of the batch can hold, q = 0, ties.
+where every property of docs/sat.md#the-rule (Proposition 4.1) bites. The other draws are the
+controls: stale tokens beyond PPO's range too, just above q, of the sign opposite to A, more stale
+tokens than 1 - alpha of the batch can hold, q = 0, ties.
 
-Whether a draw bites is decided by ``spec_rule``, which restates SPEC §2 steps 1-6 and §3 with
-numpy and elementwise torch ops (inverse-CDF quantile by sorting, the kernels, the radii, the
-bands), using no verl_sat code. Every property test collects that flag per draw and asserts with
-``assert_biting_share`` that at least a third of its draws bite, so a generator that drifts away
-from the bands fails instead of passing vacuously.
+Whether a draw bites is decided by ``spec_rule``, which restates docs/sat.md#the-rule, steps 1-6,
+and docs/sat.md#sequence-level with numpy and elementwise torch ops (inverse-CDF quantile by
+sorting, the kernels, the radii, the bands), using no verl_sat code. Every property test collects
+that flag per draw and asserts with ``assert_biting_share`` that at least a third of its draws
+bite, so a generator that drifts away from the bands fails instead of passing vacuously.
 """
 
 from __future__ import annotations
@@ -54,8 +54,9 @@ DUAL_CLIP_C = 3.0  # verl's clip_ratio_c default, also conftest.actor_config's
 class SATCase:
     """One drawn micro-batch and the SAT settings it is scored with.
 
-    ``mu``: log mu of the decoupled score (SPEC §4: the ratio against ``old_log_prob``, the score
-    against mu); None: the score is against ``old_log_prob`` (the default, mu itself in bypass mode).
+    ``mu``: log mu of the decoupled score (docs/sat.md#which-log-probs: the ratio against
+    ``old_log_prob``, the score against mu); None: the score is against ``old_log_prob`` (the
+    default, mu itself in bypass mode).
     ``n_stale``: how many stale tokens (token level) or responses (sequence level) were placed.
     """
 
@@ -108,10 +109,10 @@ class SATCase:
 
 
 # ---------------------------------------------------------------------------------------------
-# the spec's formulas (SPEC §2 steps 1-7, §3), independent of verl_sat
+# the paper's formulas (docs/sat.md#the-rule, steps 1-7; docs/sat.md#sequence-level), independent of verl_sat
 # ---------------------------------------------------------------------------------------------
 def spec_quantile(values: np.ndarray, alpha: float) -> float:
-    """SPEC §2 step 2: the smallest x >= 0 with empirical CDF(x) >= alpha, alpha read as written.
+    """docs/sat.md#the-rule, step 2: the smallest x >= 0 with empirical CDF(x) >= alpha, alpha read as written.
 
     By sorting: the CDF at a value is #{values <= it} / n; 0 when there is no value.
     """
@@ -132,14 +133,14 @@ def gate_capacity(n: int, alpha: float) -> int:
 
 
 def spec_psi(u: np.ndarray, q: float, kernel: str, exponent: float) -> np.ndarray:
-    """SPEC §2 step 4: Hill psi = 1 / (1 + (u/q)^p) (paper, p = 2), or exponential psi = 2^-(u/q)^p."""
+    """docs/sat.md#the-rule, step 4: Hill psi = 1 / (1 + (u/q)^p) (paper, p = 2), or exponential psi = 2^-(u/q)^p."""
     z = (u / q) ** exponent
     return 1.0 / (1.0 + z) if kernel == "hill" else np.exp2(-z)
 
 
 def _log_ratio(case: SATCase, ref: torch.Tensor) -> torch.Tensor:
-    """log pi - log ref in the case's dtype: per token (SPEC §1), or GSPO's length-normalised
-    sequence log-ratio broadcast to the response's tokens (SPEC §3); float64, 0 at padding."""
+    """log pi - log ref in the case's dtype: per token (docs/sat.md#setting), or GSPO's length-normalised
+    sequence log-ratio broadcast to the response's tokens (docs/sat.md#sequence-level); float64, 0 at padding."""
     m = case.response_mask.to(case.dtype)
     x = case.log_prob - ref
     if case.level == "token":
@@ -150,18 +151,20 @@ def _log_ratio(case: SATCase, ref: torch.Tensor) -> torch.Tensor:
 
 
 def spec_score(case: SATCase) -> torch.Tensor:
-    """The detached staleness score d (SPEC §2 step 1; §3 at sequence level; against mu in §4)."""
+    """The detached staleness score d (docs/sat.md#the-rule, step 1; docs/sat.md#sequence-level at
+    sequence level; against mu in docs/sat.md#which-log-probs)."""
     return _log_ratio(case, case.old_log_prob if case.mu is None else case.mu)
 
 
 def spec_ratio(case: SATCase) -> torch.Tensor:
-    """The clipped ratio r (token) or rho_b (sequence), against ``old_log_prob`` (SPEC §4), float64."""
+    """The clipped ratio r (token) or rho_b (sequence), against ``old_log_prob``
+    (docs/sat.md#which-log-probs), float64."""
     return torch.exp(_log_ratio(case, case.old_log_prob))
 
 
 @dataclass
 class SpecRule:
-    """What SPEC §2 says about one case; numpy arrays of the batch's shape."""
+    """What docs/sat.md#the-rule says about one case; numpy arrays of the batch's shape."""
 
     q: float
     gate: np.ndarray  # 1{active, q > 0, |d| > q}
@@ -180,7 +183,7 @@ class SpecRule:
 
 
 def spec_rule(case: SATCase, q: float | None = None) -> SpecRule:
-    """SPEC §2 steps 1-6 and the bands of Proposition 4.1; ``q`` overrides the batch reference."""
+    """docs/sat.md#the-rule, steps 1-6, and the bands of Proposition 4.1; ``q`` overrides the batch reference."""
     mask = case.mask.numpy()
     d = spec_score(case).numpy()
     a = np.abs(d)
@@ -202,8 +205,9 @@ def spec_rule(case: SATCase, q: float | None = None) -> SpecRule:
 
 
 def spec_token_loss(case: SATCase, rule: SpecRule) -> np.ndarray:
-    """-S per token (SPEC §2 step 7), float64: S = min(r A, clip(r, 1 - eps_low~, 1 + eps_high~) A),
-    with verl's dual clip (-S <= -A c where A < 0) at token level; 0 at padding."""
+    """-S per token (docs/sat.md#the-rule, step 7), float64:
+    S = min(r A, clip(r, 1 - eps_low~, 1 + eps_high~) A), with verl's dual clip (-S <= -A c where
+    A < 0) at token level; 0 at padding."""
     r, adv = rule.ratio, case.advantages.double().numpy()
     loss = -np.minimum(r * adv, np.clip(r, rule.lower, rule.upper) * adv)
     if case.level == "token":
@@ -318,8 +322,8 @@ def _token_layout(draw, rng: np.random.Generator, scale: _Scale, alpha: float):
 def _sequence_layout(draw, rng: np.random.Generator, scale: _Scale, alpha: float):
     """(d, lengths, advantages, n_stale): short stale responses (1-2 tokens) among longer background
     ones; each response's tokens hold its sequence log-ratio plus zero-mean jitter. The quantile is
-    length-weighted (SPEC §3), so the stale responses fit in n - ceil(alpha n) tokens unless the
-    draw asks for more than fit."""
+    length-weighted (docs/sat.md#sequence-level), so the stale responses fit in n - ceil(alpha n)
+    tokens unless the draw asks for more than fit."""
     rows, width = draw(_SEQ_ROWS), draw(_SEQ_WIDTH)
     lengths = _lengths(rng, rows, width)
     want = draw(_STALE_COUNTS)
@@ -354,9 +358,9 @@ def sat_cases(
 ) -> SATCase:
     """A micro-batch where SAT's bands are reached in most draws (see the module docstring).
 
-    ``decoupled`` (SPEC §4): the score d = log pi - log mu carries the staleness layout, and the
-    ratio against ``old_log_prob`` is k d plus noise, k in {1 (4 times in 8), 3/4, 1/2, 0, -1/2} (k = 0: the
-    trainer's recomputed old log-probs are at the current weights, r = 1).
+    ``decoupled`` (docs/sat.md#which-log-probs): the score d = log pi - log mu carries the staleness
+    layout, and the ratio against ``old_log_prob`` is k d plus noise, k in {1 (4 times in 8), 3/4,
+    1/2, 0, -1/2} (k = 0: the trainer's recomputed old log-probs are at the current weights, r = 1).
     """
     dtype = dtypes[draw(st.integers(0, len(dtypes) - 1))]
     eps_low, eps_high = draw(_RADII if radii is RADII else st.sampled_from(radii))
@@ -398,7 +402,7 @@ def sat_cases(
 
 
 # ---------------------------------------------------------------------------------------------
-# variants in which SAT gates nothing (SPEC §2: identity when no token is gated)
+# variants in which SAT gates nothing (docs/sat.md#the-rule: identity when no token is gated)
 # ---------------------------------------------------------------------------------------------
 UNGATED_MODES = ("step_q", "q_zero", "ties")
 
@@ -410,7 +414,7 @@ def ungated_variant(case: SATCase, mode: str) -> tuple[SATCase, float | None, fl
     step_q: the tensors unchanged, the optimizer step's q handed over as max |d| (nothing lies
         strictly above it); q_bite = the micro-batch's own q.
     q_zero: d set to 0 on all but n - ceil(alpha n) active tokens (token level) or all but the
-        responses that fit in that many tokens (sequence level), so q = 0 (SPEC §2 edge case);
+        responses that fit in that many tokens (sequence level), so q = 0 (docs/sat.md#the-rule, edge case);
         q_bite -> 0+ (contraction ~ full).
     ties: every active |d| equal to one dyadic c ~ 3/4 of PPO's reach (exact in every dtype used),
         so q = c and the strict |d| > q gates nothing; q_bite just below c (contraction ~ 1/2).
@@ -476,7 +480,8 @@ def run_loss(
     step_q: float | None = None,
 ) -> LossRun:
     """One call of the loss registered as ``name`` through verl's ``get_policy_loss_fn``, inside a
-    ``LossContext`` carrying mu (SPEC §4) and the optimizer step's q (SPEC §2 step 2), if given.
+    ``LossContext`` carrying mu (docs/sat.md#which-log-probs) and the optimizer step's q
+    (docs/sat.md#the-rule, step 2), if given.
 
     With ``loss_agg_mode="token-sum"`` and all-ones ``rollout_is_weights`` that require grad,
     d loss / d w_{b,t} is the token's -S_{b,t} (0 at padding), for SAT and for the base loss alike.

@@ -1,9 +1,9 @@
 """The fused SAT surrogates (``verl_sat/sat/fused.py``) against the autograd form they replace.
 
 The reference below is SAT's loss written as autograd ops (PPO's clamp, then the gated tokens
-re-clipped by ``sat_rule.sat_clip``), the form the losses had before the fused path. The fused
-path must give the same loss, gradient and metrics within fp rounding at every dtype, and stay
-finite when padding holds -inf or NaN log-probs.
+re-clipped by ``rule.sat_clip``), the form the fused path replaces. The fused path must give the
+same loss, gradient and metrics within fp rounding at every dtype, and stay finite when padding
+holds -inf or NaN log-probs.
 """
 
 from __future__ import annotations
@@ -25,7 +25,8 @@ TOL = {torch.float64: 1e-12, torch.float32: 1e-5, torch.bfloat16: 2e-2}
 
 
 def reference(name: str, b: dict, agg: str, eps=(0.2, 0.2), alpha=0.9, kernel=("hill", 2.0), clip_c=3.0):
-    """(loss, grad, metrics) of SAT written as autograd ops (SPEC §2 step 7, §3)."""
+    """(loss, grad, metrics) of SAT written as autograd ops (docs/sat.md#the-rule, step 7;
+    docs/sat.md#sequence-level)."""
     old, adv, rm = b["old_log_prob"], b["advantages"], b["response_mask"]
     lp = b["log_prob"].clone().requires_grad_(True)
     mask = rm.bool()

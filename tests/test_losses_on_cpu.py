@@ -1,9 +1,11 @@
-"""The registered losses ``sat`` and ``sat_gspo`` against verl's ``vanilla`` and ``gspo`` (SPEC §2, §3).
+"""The registered losses ``sat`` and ``sat_gspo`` against verl's ``vanilla`` and ``gspo``
+(docs/sat.md#the-rule, docs/sat.md#sequence-level).
 
 The property tests draw their batches from ``sat_strategies.sat_cases`` and derive what must
-happen from the spec's formulas (``sat_strategies.spec_rule``: the inverse-CDF q by sorting, the
-kernel, the radii, the newly clipped bands), not from the code's output. Each asserts that at
-least a third of its 500 draws reach a band token, where the property bites.
+happen from the paper's formulas (docs/sat.md), as ``sat_strategies.spec_rule`` writes them out
+(the inverse-CDF q by sorting, the kernel, the radii, the newly clipped bands), not from the code's
+output. Each asserts that at least a third of its 500 draws reach a band token, where the property
+bites.
 
 Per-token surrogate values are read through verl's own aggregation: with
 ``loss_agg_mode="token-sum"`` and all-ones ``rollout_is_weights`` that require grad,
@@ -68,7 +70,7 @@ def test_agg_modes_are_all_of_verls():
 
 
 # ---------------------------------------------------------------------------------------------
-# identity (SPEC §2): SAT off, or on with no token gated -> verl's base loss, bit for bit
+# identity (docs/sat.md#the-rule): SAT off, or on with no token gated -> verl's base loss, bit for bit
 # ---------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("level", LEVELS)
 def test_identity_when_off(level):
@@ -125,7 +127,7 @@ def test_identity_when_no_token_is_gated(level):
 
 
 # ---------------------------------------------------------------------------------------------
-# the empty batch (SPEC §2 edge cases)
+# the empty batch (docs/sat.md#the-rule, edge cases)
 # ---------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("level", LEVELS)
 def test_empty_batch_in_every_agg_mode(level):
@@ -156,7 +158,7 @@ def test_empty_batch_in_every_agg_mode(level):
 
 
 # ---------------------------------------------------------------------------------------------
-# pessimism and the exact locus of change (SPEC §2, Proposition 4.1)
+# pessimism and the exact locus of change (docs/sat.md#the-rule, Proposition 4.1)
 # ---------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("level", LEVELS)
 def test_pointwise_pessimism(level):
@@ -252,7 +254,7 @@ def test_gate_moves_only_the_endpoint_on_the_side_of_the_sign():
 
 
 def test_gspo_score_is_length_weighted_sequence_ratio():
-    """SAT-GSPO broadcasts log rho_b to the tokens before the quantile (SPEC §3)."""
+    """SAT-GSPO broadcasts log rho_b to the tokens before the quantile (docs/sat.md#sequence-level)."""
     # three responses: lengths 8, 1, 1; the long one carries 8 of 10 active tokens
     mask = torch.zeros(3, 8)
     mask[0, :] = 1

@@ -1,7 +1,8 @@
-"""The SAT rule (SPEC §2 steps 1-6): quantile, kernel, gate, contraction, bounds.
+"""The SAT rule (docs/sat.md#the-rule, steps 1-6): quantile, kernel, gate, contraction, bounds.
 
-The property tests draw from ``sat_strategies.sat_cases`` and compare with the spec's formulas
-(``sat_strategies.spec_rule``), asserting that at least a third of the draws reach a band token.
+The property tests draw from ``sat_strategies.sat_cases`` and compare with the paper's formulas
+(docs/sat.md), as ``sat_strategies.spec_rule`` writes them out, asserting that at least a third of
+the draws reach a band token.
 """
 
 from __future__ import annotations
@@ -122,9 +123,9 @@ def test_q_zero_gates_nothing():
 @pytest.mark.parametrize("level", LEVELS)
 def test_containment_sign_selection_and_gate_rate(level):
     """The rule as the losses apply it (token: ``sat_factors``; sequence: ``fused.sequence_factors``
-    on the broadcast GSPO score) against SPEC §2 steps 2-6 computed by ``spec_rule``: the same q and
-    gate; c_plus, c_minus and the radii equal the spec's; [1 - eps_low~, 1 + eps_high~] inside
-    [1 - eps_low, 1 + eps_high]; a gated token moves only the endpoint on the side of sign(d),
+    on the broadcast GSPO score) against docs/sat.md#the-rule, steps 2-6, computed by ``spec_rule``:
+    the same q and gate; c_plus, c_minus and the radii equal the spec's; [1 - eps_low~, 1 + eps_high~]
+    inside [1 - eps_low, 1 + eps_high]; a gated token moves only the endpoint on the side of sign(d),
     strictly inward wherever the dtype can show the move; at most n - ceil(alpha n) <= (1 - alpha) n
     tokens gated. bf16 included."""
     flags, overfull = [], []
@@ -211,7 +212,7 @@ def test_bf16_rounding_found_by_ci(d, alpha, eps_low, eps_high, p):
 
 
 def test_score_is_detached_and_factors_carry_no_grad():
-    """SPEC §2 step 1: d_sg = stopgrad(d); nothing the rule returns carries a gradient."""
+    """docs/sat.md#the-rule, step 1: d_sg = stopgrad(d); nothing the rule returns carries a gradient."""
     flags = []
 
     @PROPERTY

@@ -1,4 +1,4 @@
-"""SAT's clipped surrogates in few passes, with a closed-form backward (SPEC §2 step 7, §3).
+"""SAT's clipped surrogates in few passes, with a closed-form backward (docs/sat.md#the-rule, step 7).
 
 verl's ``vanilla`` and ``gspo`` build -S from about ten autograd ops, and autograd walks them
 all back. Per token, -S is a product -A * r_eff with r_eff one of r, a clip endpoint or the dual
@@ -14,9 +14,10 @@ the gradient in half; here it flows whole or not at all. ``losses.py`` therefore
 own loss when no token is gated, so that case stays bit-identical even there.
 
 The two forward paths below compute the SAT terms on the gated tokens only (token level) or on
-the sequences (sequence level: the score is constant along a response, so q is a length-weighted
-quantile of B values), and read every metric from tensors the loss needs anyway, in one
-device-to-host transfer. Device-agnostic: plain torch ops, no host loops over tokens.
+the sequences (sequence level, docs/sat.md#sequence-level: the score is constant along a response,
+so q is a length-weighted quantile of B values), and read every metric from tensors the loss needs
+anyway, in one device-to-host transfer (``GatedStats.read``). Device-agnostic: plain torch ops,
+no host loops over tokens.
 
 Paper: https://arxiv.org/abs/2607.18722 (SAT); GSPO: https://arxiv.org/abs/2507.18071
 """
@@ -28,7 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-from verl_sat.sat.rule import SATFactors, kernel_psi, padded_factors, quantile_rank
+from verl_sat.sat.rule import SATFactors, gated_bounds, kernel_psi, padded_factors, quantile_rank
 
 LOG_RATIO_CLAMP = 20.0  # verl's vanilla clamps log r to [-20, 20] before exp
 GSPO_LOG_RATIO_MAX = 10.0  # verl's gspo clamps log s_{b,t} at 10 before exp
@@ -54,7 +55,7 @@ class ClippedSurrogate(torch.autograd.Function):
 
 @dataclass
 class StepScore:
-    """The optimizer step's score and reference (``sat_quantile_scope=step``, SPEC §2 step 2).
+    """The optimizer step's score and reference (``sat_quantile_scope=step``, docs/sat.md#the-rule, step 2).
 
     ``log_prob``: log pi of the score from the step's scoring pass (None: this micro-batch's
     own log pi); ``q``: the step's q (None: take q over this micro-batch).
@@ -72,7 +73,7 @@ class Surrogate:
     loss: torch.Tensor | None  # (B, T) -S, differentiable in log pi; None: no token gated
     factors: SATFactors  # q and the gated tokens (dense views on demand)
     n_gated: int  # |{active tokens with q > 0, |d| > q}|
-    metrics: dict[str, float]  # verl's three loss metrics and SAT's (SPEC §5)
+    metrics: dict[str, float]  # verl's three loss metrics and SAT's (docs/sat.md#diagnostics)
     clean_padding: bool = True  # False: padding held -inf or NaN log-probs
 
 
@@ -92,7 +93,7 @@ def padded_log_ratio(lp: torch.Tensor, ref: torch.Tensor, response_mask: torch.T
 
 
 def sequence_score(x: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
-    """log rho_b = sum_t x_{b,t} / max(|y_b|, 1) for SAT's score (SPEC §3), summed in float64.
+    """log rho_b = sum_t x_{b,t} / max(|y_b|, 1) for SAT's score (docs/sat.md#sequence-level), summed in float64.
 
     An fp32 row sum's rounding depends on how far the row is padded (tried: 30% of rows differ in
     the last bit between two widths), and the step's q pads to the mini-batch while the loss pads
@@ -111,18 +112,27 @@ def _masked(x: torch.Tensor, response_mask: torch.Tensor, fallback) -> tuple[tor
     return (x if clean else fallback().to(x.dtype)), int(n), clean
 
 
-def _ungated(f: SATFactors, n: int, abs_d: torch.Tensor, clean: bool, eps_low: float, eps_high: float) -> Surrogate:
-    """No token gated: SAT's metrics only; the loss is the base loss itself (``losses._finish``)."""
-    q, abs_sum = torch.stack([f.q.double(), abs_d.sum().double()]).tolist()
-    metrics = {
+def ungated_metrics(eps_low: float, eps_high: float, q: float = 0.0, mismatch: float = 0.0) -> dict[str, float]:
+    """SAT's metrics of a micro-batch in which SAT gates nothing (docs/sat.md#diagnostics).
+
+    No token gated: the radii stay eps_low and eps_high, nothing is intercepted. ``q``: the batch
+    reference; ``mismatch``: dbar_pi. The one source of this dict (``_ungated``, ``losses.empty_batch``).
+    """
+    return {
         "actor/sat_q": q,
         "actor/sat_gate_rate": 0.0,
         "actor/sat_c_min": 1.0,
         "actor/sat_eps_low_mean": eps_low,
         "actor/sat_eps_high_mean": eps_high,
         "actor/sat_intercepted_frac": 0.0,
-        "actor/mismatch_abs_mean": abs_sum / n,  # dbar_pi (paper Eq. 52)
+        "actor/mismatch_abs_mean": mismatch,  # dbar_pi (paper Eq. 52)
     }
+
+
+def _ungated(f: SATFactors, n: int, abs_d: torch.Tensor, clean: bool, eps_low: float, eps_high: float) -> Surrogate:
+    """No token gated: SAT's metrics only; the loss is the base loss itself (``losses._finish``)."""
+    q, abs_sum = torch.stack([f.q.double(), abs_d.sum().double()]).tolist()
+    metrics = ungated_metrics(eps_low, eps_high, q=q, mismatch=abs_sum / n)
     return Surrogate(loss=None, factors=f, n_gated=0, metrics=metrics, clean_padding=clean)
 
 
@@ -131,11 +141,10 @@ def _kept(loss: torch.Tensor, p1: torch.Tensor, response_mask: torch.Tensor) -> 
     return torch.eq(loss, p1, out=torch.empty_like(loss)).mul_(response_mask)
 
 
-def _gated_bound(adv: torch.Tensor, positive: torch.Tensor, c: torch.Tensor, eps_low: float, eps_high: float):
-    """The clip endpoint that binds at a gated token (SPEC §2 step 6): 1 + eps_high c_plus for
-    A > 0, 1 - eps_low c_minus for A < 0, where c_plus = c if d > 0 and c_minus = c if d < 0, else 1."""
-    upper = torch.where(positive, 1.0 + eps_high * c, 1.0 + eps_high)
-    lower = torch.where(positive, 1.0 - eps_low, 1.0 - eps_low * c)
+def _binding_bound(f: SATFactors, adv: torch.Tensor, eps_low: float, eps_high: float) -> torch.Tensor:
+    """The endpoint of ``rule.gated_bounds`` that binds at each gated token: 1 + eps_high~ for A > 0,
+    1 - eps_low~ for A < 0; ``adv``: A at the gated tokens."""
+    lower, upper = gated_bounds(f, eps_low, eps_high)
     return torch.where(adv > 0, upper, lower)
 
 
@@ -144,29 +153,50 @@ def _band(r: torch.Tensor, adv: torch.Tensor, bound: torch.Tensor, lo: torch.Ten
     return ((adv > 0) & (r > bound) & (r < hi)) | ((adv < 0) & (r < bound) & (r > lo))
 
 
-def _sat_values(c: torch.Tensor, positive: torch.Tensor, q: torch.Tensor) -> list[torch.Tensor]:
-    """q, min c, and sum (1 - c) over the gated tokens with d < 0 and with d > 0 (SPEC §5)."""
-    shrink = 1.0 - c
-    high = torch.where(positive, shrink, 0.0).sum(dtype=torch.float64)
-    return [q.double(), c.min().double(), shrink.sum(dtype=torch.float64) - high, high]
+@dataclass(frozen=True)
+class GatedStats:
+    """The host values a gated micro-batch's metrics read (docs/sat.md#diagnostics); sums in float64."""
 
+    unclipped: float  # active tokens with -S = -A r (not clipped)
+    lower: float  # active tokens the dual clip lowers (-S < -A r); 0 in GSPO
+    d_sum: float  # sum of d over T_act (verl's ppo_kl is its negated mean)
+    abs_sum: float  # sum of |log pi - log mu| over T_act (dbar_pi's numerator)
+    band: float  # active tokens clipped by SAT and not by the base loss
+    extreme: float  # min d (token level) or max log rho_b (sequence level): whether verl's clamp binds
+    q: float  # the batch reference
+    c_min: float  # min c over the gated tokens
+    shrink_low: float  # sum (1 - c) over the gated tokens with d < 0
+    shrink_high: float  # sum (1 - c) over the gated tokens with d > 0
 
-def _metrics(names: list[str], stats: list[float], n: int, eps_low: float, eps_high: float) -> dict[str, float]:
-    v = dict(zip(names, stats, strict=True))
-    return {
-        "actor/pg_clipfrac": (n - v["unclipped"] - v["lower"]) / n,
-        "actor/ppo_kl": -v["d_sum"] / n,
-        "actor/pg_clipfrac_lower": v["lower"] / n,
-        "actor/sat_q": v["q"],
-        "actor/sat_c_min": v["c_min"],
-        "actor/sat_eps_low_mean": eps_low * (1 - v["shrink_low"] / n),  # mean(eps_low c_minus)
-        "actor/sat_eps_high_mean": eps_high * (1 - v["shrink_high"] / n),  # mean(eps_high c_plus)
-        "actor/sat_intercepted_frac": v["band"] / n,  # clipped by SAT, not by the base loss
-        "actor/mismatch_abs_mean": v["abs_sum"] / n,  # dbar_pi (paper Eq. 52)
-    }
+    @classmethod
+    def read(cls, f: SATFactors, **loss_stats: torch.Tensor) -> GatedStats:
+        """The loss's 0-d float64 statistics, by name, and SAT's from ``f``, in one device-to-host transfer."""
+        shrink = 1.0 - f.c
+        high = torch.where(f.positive, shrink, 0.0).sum(dtype=torch.float64)
+        sat_stats = {
+            "q": f.q.double(),
+            "c_min": f.c.min().double(),
+            "shrink_low": shrink.sum(dtype=torch.float64) - high,
+            "shrink_high": high,
+        }
+        tensors = {**loss_stats, **sat_stats}
+        values = torch.stack(list(tensors.values())).tolist()
+        return cls(**dict(zip(tensors, values, strict=True)))
 
-
-STAT_NAMES = ["unclipped", "lower", "d_sum", "abs_sum", "band", "extreme", "q", "c_min", "shrink_low", "shrink_high"]
+    def metrics(self, n: int, n_gated: int, eps_low: float, eps_high: float) -> dict[str, float]:
+        """verl's three loss metrics and SAT's, over the n active tokens."""
+        return {
+            "actor/pg_clipfrac": (n - self.unclipped - self.lower) / n,
+            "actor/ppo_kl": -self.d_sum / n,
+            "actor/pg_clipfrac_lower": self.lower / n,
+            "actor/sat_q": self.q,
+            "actor/sat_c_min": self.c_min,
+            "actor/sat_eps_low_mean": eps_low * (1 - self.shrink_low / n),  # mean(eps_low c_minus)
+            "actor/sat_eps_high_mean": eps_high * (1 - self.shrink_high / n),  # mean(eps_high c_plus)
+            "actor/sat_intercepted_frac": self.band / n,  # clipped by SAT, not by the base loss
+            "actor/mismatch_abs_mean": self.abs_sum / n,  # dbar_pi (paper Eq. 52)
+            "actor/sat_gate_rate": n_gated / n,  # mean 1{q > 0, |d| > q} over T_act
+        }
 
 
 def token_surrogate(
@@ -182,7 +212,7 @@ def token_surrogate(
     clip_ratio_c: float,
     step: StepScore | None = None,
 ) -> Surrogate | None:
-    """SAT-PPO's -S with verl's dual clip (SPEC §2), as ``ClippedSurrogate``.
+    """SAT-PPO's -S with verl's dual clip (docs/sat.md#the-rule), as ``ClippedSurrogate``.
 
     d   = clamp(log pi - log pi_old, -20, 20) at active tokens, 0 at padding
     r   = exp(d)                                                    (the tensor verl exponentiates)
@@ -218,26 +248,30 @@ def token_surrogate(
         lo, hi = endpoints(ratio.dtype, ratio.device, eps_low, eps_high)
         neg_adv = -advantages
         bound = torch.lerp(lo, hi, torch.sign(advantages).clamp_(min=0))  # 1 + eps_high if A > 0, else 1 - eps_low
-        n_band = torch.zeros((), dtype=torch.float64, device=d.device)
-        if f.idx.numel():
-            adv_g = advantages.reshape(-1)[f.idx]
-            bound_g = _gated_bound(adv_g, f.positive, f.c, eps_low, eps_high).to(bound.dtype)
-            bound.view(-1)[f.idx] = bound_g
-            n_band = _band(ratio.reshape(-1)[f.idx], adv_g, bound_g, lo, hi).sum().double()
+        adv_g = advantages.reshape(-1)[f.idx]
+        bound_g = _binding_bound(f, adv_g, eps_low, eps_high).to(bound.dtype)
+        bound.view(-1)[f.idx] = bound_g
+        n_band = _band(ratio.reshape(-1)[f.idx], adv_g, bound_g, lo, hi).sum().double()
         p1 = neg_adv * ratio  # -A r
         upper = advantages.abs().mul_(clip_ratio_c)  # -A c where A < 0 (dual clip); >= -S where A > 0
         loss = torch.clamp(p1, neg_adv.mul(bound), upper)
         kept = _kept(loss, p1, response_mask)
         n_lower = p1.sub_(loss).clamp_(min=0).sign_().sum(dtype=torch.float64)  # dual clip: -S < -A r
         f64 = torch.float64
-        stats = [kept.sum(dtype=f64), n_lower, d.sum(dtype=f64), abs_d.sum(dtype=f64), n_band, d.amin().double()]
-        stats = torch.stack(stats + _sat_values(f.c, f.positive, f.q)).tolist()
+        stats = GatedStats.read(
+            f,
+            unclipped=kept.sum(dtype=f64),
+            lower=n_lower,
+            d_sum=d.sum(dtype=f64),
+            abs_sum=abs_d.sum(dtype=f64),
+            band=n_band,
+            extreme=d.amin().double(),
+        )
         ratio_kept = ratio.mul_(kept)
-        if stats[STAT_NAMES.index("extreme")] <= -LOG_RATIO_CLAMP:  # verl's clamp passes no gradient below
+        if stats.extreme <= -LOG_RATIO_CLAMP:  # verl's clamp passes no gradient below
             ratio_kept.mul_((lp - old_log_prob) >= -LOG_RATIO_CLAMP)
     loss = ClippedSurrogate.apply(log_prob, loss, neg_adv, ratio_kept)
-    metrics = _metrics(STAT_NAMES, stats, n, eps_low, eps_high)
-    metrics["actor/sat_gate_rate"] = f.idx.numel() / n  # mean 1{q > 0, |d| > q} over T_act
+    metrics = stats.metrics(n, f.idx.numel(), eps_low, eps_high)
     return Surrogate(loss=loss, factors=f, n_gated=f.idx.numel(), metrics=metrics)
 
 
@@ -253,7 +287,7 @@ def sequence_surrogate(
     eps_high: float,
     step: StepScore | None = None,
 ) -> Surrogate | None:
-    """SAT-GSPO's -S (SPEC §3), as ``ClippedSurrogate``.
+    """SAT-GSPO's -S (docs/sat.md#sequence-level), as ``ClippedSurrogate``.
 
     log rho_b = sum_t (log pi - log pi_old) m / max(|y_b|, 1)      (verl's gspo, the same ops)
     s_{b,t}   = exp(min(log rho_b, 10)), gradient form sg[rho_b] pi / sg[pi]
@@ -309,15 +343,21 @@ def sequence_surrogate(
             n_band = (band & response_mask[rows].bool()).sum().double()
         n_lower = torch.zeros((), dtype=torch.float64, device=d.device)  # no dual clip in GSPO
         f64 = torch.float64
-        stats = [kept.sum(dtype=f64), n_lower, d.sum(dtype=f64), abs_d.sum(dtype=f64), n_band, log_rho.amax().double()]
-        stats = torch.stack(stats + _sat_values(f.c, f.positive, f.q)).tolist()
+        stats = GatedStats.read(
+            f,
+            unclipped=kept.sum(dtype=f64),
+            lower=n_lower,
+            d_sum=d.sum(dtype=f64),
+            abs_sum=abs_d.sum(dtype=f64),
+            band=n_band,
+            extreme=log_rho.amax().double(),
+        )
         ratio_kept = s.mul_(kept)
-        if stats[STAT_NAMES.index("extreme")] > GSPO_LOG_RATIO_MAX:  # verl's clamp passes no gradient above
+        if stats.extreme > GSPO_LOG_RATIO_MAX:  # verl's clamp passes no gradient above
             ratio_kept.mul_((log_rho <= GSPO_LOG_RATIO_MAX).unsqueeze(-1))
     loss = ClippedSurrogate.apply(log_prob, loss, neg_adv, ratio_kept)
-    metrics = _metrics(STAT_NAMES, stats, n, eps_low, eps_high)
+    metrics = stats.metrics(n, f.idx.numel(), eps_low, eps_high)
     metrics["actor/pg_clipfrac_lower"] = 0.0
-    metrics["actor/sat_gate_rate"] = f.idx.numel() / n  # mean 1{q > 0, |d| > q} over T_act
     metrics["actor/sat_seqs_per_micro_batch"] = n_seqs
     return Surrogate(loss=loss, factors=f, n_gated=f.idx.numel(), metrics=metrics)
 
@@ -331,13 +371,14 @@ def sequence_factors(
     eps_high: float,
     q: torch.Tensor | None = None,
 ) -> tuple[SATFactors, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """The rule on a sequence score broadcast to its |y_b| active tokens (SPEC §2 steps 2-6, §3).
+    """The rule on a sequence score broadcast to its |y_b| active tokens (docs/sat.md#sequence-level).
 
     q = the k-th smallest, k = ceil(alpha n), n >= 1, of {|score_b| repeated |y_b| times}: the B
     scores sorted once and their lengths accumulated (exact: integer counts in fp64); or ``q``
-    as given (the optimizer step's). Returns the
-    token-level factors, the gated rows, and the per-row endpoints 1 - eps_low~_b, 1 + eps_high~_b
-    (the base endpoints, exactly, on ungated rows; None when no row is gated).
+    as given (the optimizer step's). Then docs/sat.md#the-rule, steps 3-6, per row, the endpoints
+    from ``rule.gated_bounds``. Returns the token-level factors, the gated rows, and the per-row
+    endpoints 1 - eps_low~_b, 1 + eps_high~_b (the base endpoints, exactly, on ungated rows; None
+    when no row is gated).
     """
     alpha, kernel, exponent = rule
     a = score.abs()
@@ -355,10 +396,11 @@ def sequence_factors(
     f = SATFactors(q=q, idx=rows, c=c_rows, positive=pos_rows, shape=score.shape)  # per row
     if rows.numel() == 0:
         return f, rows, None, None
+    lo_rows, hi_rows = gated_bounds(f, eps_low, eps_high)
     lo = torch.full_like(score, 1.0 - eps_low)
     hi = torch.full_like(score, 1.0 + eps_high)
-    hi[rows] = torch.where(pos_rows, 1.0 + eps_high * c_rows, 1.0 + eps_high).to(score.dtype)
-    lo[rows] = torch.where(pos_rows, 1.0 - eps_low, 1.0 - eps_low * c_rows).to(score.dtype)
+    hi[rows] = hi_rows.to(score.dtype)
+    lo[rows] = lo_rows.to(score.dtype)
     return f, rows, lo, hi
 
 

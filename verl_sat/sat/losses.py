@@ -1,12 +1,13 @@
 """The registered SAT policy losses: ``"sat"`` (SAT-GRPO/PPO) and ``"sat_gspo"`` (SAT-GSPO).
 
 Both keep verl's ``PolicyLossFn`` signature and return verl's metrics plus ``actor/sat_*``
-diagnostics (SPEC §5). ``old_log_prob`` is the ratio's denominator: in the async recipes it is
-the rollout engine's log-prob mu (SPEC §4), so d = log pi_j - log mu carries the staleness.
-With ``sat_score_against=rollout_log_probs`` (SPEC §4's decoupled option) the ratio keeps
-``old_log_prob`` and the score d takes mu from ``LossContext``, which verl-sat's worker loss
-(``verl_sat.trainer.actor.sat_ppo_loss``) opens around each call; the context also carries the gate back
-out, so per-staleness metrics need no second quantile.
+diagnostics (docs/sat.md#diagnostics). ``old_log_prob`` is the ratio's denominator: in the async
+recipes it is the rollout engine's log-prob mu (docs/sat.md#which-log-probs), so d = log pi_j - log
+mu carries the staleness. With ``sat_score_against=rollout_log_probs`` (the decoupled option of
+docs/sat.md#which-log-probs) the ratio keeps ``old_log_prob`` and the score d takes mu from
+``LossContext``, which verl-sat's worker loss (``verl_sat.trainer.actor.sat_ppo_loss``) opens
+around each call; the context also carries the gate back out, so per-staleness metrics need no
+second quantile.
 
 Paper: https://arxiv.org/abs/2607.18722 (SAT); GSPO: https://arxiv.org/abs/2507.18071
 """
@@ -24,7 +25,7 @@ from verl.trainer.ppo import core_algos
 from verl.trainer.ppo.core_algos import agg_loss, compute_policy_loss_gspo, compute_policy_loss_vanilla
 
 from verl_sat.sat.config import POLICY_LOSS_KEY, SATPolicyLossConfig, sat_settings
-from verl_sat.sat.fused import StepScore, Surrogate, sequence_surrogate, token_surrogate
+from verl_sat.sat.fused import StepScore, Surrogate, sequence_surrogate, token_surrogate, ungated_metrics
 from verl_sat.sat.rule import SATFactors
 
 
@@ -43,27 +44,17 @@ def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 
 def mismatch_metric(log_prob: torch.Tensor, old_log_prob: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
-    """dbar_pi = mean over T_act of |log pi - log mu| (SPEC §1, token level for every method)."""
+    """dbar_pi = mean over T_act of |log pi - log mu| (docs/sat.md#setting, token level for every method)."""
     d = (log_prob.detach() - old_log_prob.detach()).abs()
     return {"actor/mismatch_abs_mean": masked_mean(d, mask.to(d.dtype)).item()}
 
 
 def empty_batch(log_prob: torch.Tensor, eps_low: float, eps_high: float) -> tuple[torch.Tensor, dict[str, Any]]:
-    """No active token: zero loss that still backpropagates (zeros), no NaN (SPEC §2 edge cases)."""
+    """No active token: zero loss that still backpropagates (zeros), no NaN (docs/sat.md#the-rule,
+    edge cases); verl's three loss metrics 0, SAT's those of a batch it gates nothing in, with q = 0."""
     loss = log_prob.masked_fill(torch.ones_like(log_prob, dtype=torch.bool), 0.0).sum()
-    metrics = {
-        "actor/pg_clipfrac": 0.0,
-        "actor/ppo_kl": 0.0,
-        "actor/pg_clipfrac_lower": 0.0,
-        "actor/sat_q": 0.0,
-        "actor/sat_gate_rate": 0.0,
-        "actor/sat_c_min": 1.0,
-        "actor/sat_eps_low_mean": eps_low,
-        "actor/sat_eps_high_mean": eps_high,
-        "actor/sat_intercepted_frac": 0.0,
-        "actor/mismatch_abs_mean": 0.0,
-    }
-    return loss, metrics
+    base = {"actor/pg_clipfrac": 0.0, "actor/ppo_kl": 0.0, "actor/pg_clipfrac_lower": 0.0}
+    return loss, {**base, **ungated_metrics(eps_low, eps_high)}
 
 
 def _disabled(base_fn, args: tuple, mask: torch.Tensor) -> tuple[torch.Tensor, dict[str, Any]]:
@@ -74,7 +65,7 @@ def _disabled(base_fn, args: tuple, mask: torch.Tensor) -> tuple[torch.Tensor, d
 
 
 # ---------------------------------------------------------------------------------------------
-# the worker's context: mu in, the gate out (SPEC §4)
+# the worker's context: mu in, the gate out (docs/sat.md#which-log-probs)
 # ---------------------------------------------------------------------------------------------
 @dataclass
 class LossContext:
@@ -124,7 +115,8 @@ def mu_log_prob(old_log_prob: torch.Tensor) -> torch.Tensor:
 
 
 def score_reference(sat: SATPolicyLossConfig, old_log_prob: torch.Tensor) -> torch.Tensor:
-    """The score's denominator (SPEC §4): ``old_log_prob``, or mu for ``sat_score_against=rollout_log_probs``."""
+    """The score's denominator (docs/sat.md#which-log-probs): ``old_log_prob``, or mu for
+    ``sat_score_against=rollout_log_probs``."""
     if sat.sat_score_against == "old_log_prob":
         return old_log_prob
     ctx = _CONTEXT.get()
@@ -156,7 +148,7 @@ def score_log_prob(log_prob: torch.Tensor) -> torch.Tensor | None:
 
 
 def step_reference(sat: SATPolicyLossConfig, config: Any, response_mask: torch.Tensor) -> torch.Tensor | None:
-    """The batch reference q of ``sat_quantile_scope=step`` (SPEC §2 step 2), or None: take q here.
+    """The batch reference q of ``sat_quantile_scope=step`` (docs/sat.md#the-rule, step 2), or None: take q here.
 
     None for ``micro_batch`` scope, and for ``step`` scope when this call's tokens are the whole
     step: a direct call (no verl ``global_batch_info``), or one micro-batch on one rank holding
@@ -192,7 +184,7 @@ def _record(f: SATFactors) -> None:
 
 
 def scope_metrics(log_prob: torch.Tensor, response_mask: torch.Tensor, known: dict[str, float]) -> dict[str, float]:
-    """What the batch reference q was taken over (SPEC §2 step 2; the q-scope metrics):
+    """What the batch reference q was taken over (docs/sat.md#the-rule, step 2; the q-scope metrics):
 
     actor/sat_seqs_per_micro_batch = #responses with an active token in this micro-batch
         (SAT-GSPO with per-micro-batch q gates nothing once the top one holds 1 - alpha of its tokens)
@@ -212,7 +204,7 @@ def scope_metrics(log_prob: torch.Tensor, response_mask: torch.Tensor, known: di
 
 
 # ---------------------------------------------------------------------------------------------
-# ALGO LOGIC: SAT on verl's vanilla (token level, SPEC §2)
+# ALGO LOGIC: SAT on verl's vanilla (token level, docs/sat.md#the-rule)
 # ---------------------------------------------------------------------------------------------
 def compute_policy_loss_sat(
     old_log_prob: torch.Tensor,
@@ -223,12 +215,12 @@ def compute_policy_loss_sat(
     config: Any = None,
     rollout_is_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, Any]]:
-    """SAT-GRPO / SAT-PPO: PPO's clipped surrogate with staleness-contracted radii (SPEC §2).
+    """SAT-GRPO / SAT-PPO: PPO's clipped surrogate with staleness-contracted radii (docs/sat.md#the-rule).
 
-    d   = clamp(log pi - log mu, -20, 20),  r = exp(d)                     (SPEC §1)
-          (decoupled, SPEC §4: r = exp(clamp(log pi - log pi_old)), d against mu)
-    eps_low~ = eps_low * c_minus(d),  eps_high~ = eps_high * c_plus(d)     (SPEC §2 steps 1-6)
-    S   = min(r A, clip(r, 1 - eps_low~, 1 + eps_high~) A);  loss = -S     (SPEC §2 step 7)
+    d   = clamp(log pi - log mu, -20, 20),  r = exp(d)                     (docs/sat.md#setting)
+          (decoupled, docs/sat.md#which-log-probs: r = exp(clamp(log pi - log pi_old)), d against mu)
+    eps_low~ = eps_low * c_minus(d),  eps_high~ = eps_high * c_plus(d)     (docs/sat.md#the-rule, steps 1-6)
+    S   = min(r A, clip(r, 1 - eps_low~, 1 + eps_high~) A);  loss = -S     (docs/sat.md#the-rule, step 7)
     plus verl's dual clip for A < 0: loss = min(loss, -A * clip_ratio_c).
     Computed by ``fused.token_surrogate``; with no token gated, verl's ``vanilla`` itself.
     """
@@ -260,11 +252,11 @@ def compute_policy_loss_sat_gspo(
     config: Any = None,
     rollout_is_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, Any]]:
-    """SAT-GSPO: GSPO's sequence ratio in the objective and in the SAT score (SPEC §3).
+    """SAT-GSPO: GSPO's sequence ratio in the objective and in the SAT score (docs/sat.md#sequence-level).
 
     log rho_b = (1/|y_b|) sum_t (log pi_{b,t} - log mu_{b,t})             (length-normalised)
     d_{b,t}   = log rho_b for every active t of response b                 (broadcast, then quantile)
-                (decoupled, SPEC §4: rho_b against pi_old, d_{b,t} from the same mean against mu)
+                (decoupled, docs/sat.md#which-log-probs: rho_b against pi_old, d_{b,t} from the same mean against mu)
     s_{b,t}   = sg[rho_b] * pi_{b,t} / sg[pi_{b,t}]                         (GSPO-token gradient form)
     S = min(s A, clip(s, 1 - eps_low~, 1 + eps_high~) A);  loss = -S
     Computed by ``fused.sequence_surrogate``; with no token gated, verl's ``gspo`` itself.

@@ -1,8 +1,8 @@
-"""The SAT rule: staleness score -> batch reference q -> kernel -> contraction (SPEC §2).
+"""The SAT rule: staleness score -> batch reference q -> kernel -> contraction (docs/sat.md#the-rule).
 
 One rule, shared by the token-level loss ``sat`` and the sequence-level loss ``sat_gspo``;
 only the score ``d`` differs (token log-ratio vs. GSPO's length-normalised sequence log-ratio
-broadcast to the response's tokens, SPEC §3).
+broadcast to the response's tokens, docs/sat.md#sequence-level).
 
 Paper: "Stale but Stable: Staleness-Adaptive Trust Regions for Stabilizing Asynchronous
 Reinforcement Learning", https://arxiv.org/abs/2607.18722
@@ -36,7 +36,7 @@ def top_m(x: torch.Tensor, m: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def masked_quantile(x: torch.Tensor, mask: torch.Tensor, alpha: float) -> torch.Tensor:
-    """q = the alpha-quantile of x over mask, inverse-CDF convention (SPEC §2 step 2).
+    """q = the alpha-quantile of x over mask, inverse-CDF convention (docs/sat.md#the-rule, step 2).
 
     The smallest v in x[mask] with #{x[mask] <= v} / n >= alpha, i.e. the k-th smallest with
     k = ceil(alpha n), by the exact radix selection that also serves the optimizer step's q
@@ -47,7 +47,7 @@ def masked_quantile(x: torch.Tensor, mask: torch.Tensor, alpha: float) -> torch.
 
 
 def kernel_psi(u: torch.Tensor, q: torch.Tensor, kernel: str, exponent: float) -> torch.Tensor:
-    """psi(u; q) with psi(0) = 1, psi(q) = 1/2, non-increasing in u (SPEC §2 step 4).
+    """psi(u; q) with psi(0) = 1, psi(q) = 1/2, non-increasing in u (docs/sat.md#the-rule, step 4).
 
     hill:        psi = 1 / (1 + (u/q)^p)        (paper: "Hill kernel, exponent 2")
     exponential: psi = 2^(-(u/q)^p)
@@ -107,7 +107,7 @@ def sat_factors(
     exponent: float,
     q: torch.Tensor | None = None,
 ) -> SATFactors:
-    """Staleness score d -> (q, gate, c_plus, c_minus) (SPEC §2 steps 1-5).
+    """Staleness score d -> (q, gate, c_plus, c_minus) (docs/sat.md#the-rule, steps 1-5).
 
     ``q``: the batch reference when it was taken over more than this micro-batch (the optimizer
     step, ``sat_quantile_scope=step``); None takes it over ``mask`` here (``micro_batch``).
@@ -163,9 +163,13 @@ def padded_factors(
 
 
 def gated_bounds(f: SATFactors, eps_low: float, eps_high: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """[1 - eps_low~, 1 + eps_high~] at the gated tokens (SPEC §2 step 6); (G,) each.
+    """[1 - eps_low~, 1 + eps_high~] at the gated tokens (docs/sat.md#the-rule, step 6); (G,) each.
 
-    eps_low~ = eps_low * c_minus,  eps_high~ = eps_high * c_plus
+    The one place the adaptive radii are written; every clip endpoint SAT moves comes from here.
+    Only the endpoint on the side of sign(d) moves inward (c < 1/2 there, 1 on the other side):
+
+    eps_low~  = eps_low * c_minus,   c_minus = c where d < 0, else 1
+    eps_high~ = eps_high * c_plus,   c_plus  = c where d > 0, else 1
     """
     lower = torch.where(f.positive, 1.0 - eps_low, 1.0 - eps_low * f.c)
     upper = torch.where(f.positive, 1.0 + eps_high * f.c, 1.0 + eps_high)
@@ -189,7 +193,7 @@ def adaptive_bounds(
 
 
 def sat_clip(ratio: torch.Tensor, f: SATFactors, eps_low: float, eps_high: float) -> torch.Tensor:
-    """clip(r, 1 - eps_low~, 1 + eps_high~), differentiable in r (SPEC §2 step 7).
+    """clip(r, 1 - eps_low~, 1 + eps_high~), differentiable in r (docs/sat.md#the-rule, step 7).
 
     PPO's clip with scalar radii everywhere (the very op verl's losses use, so ungated tokens
     are bit-identical), then the gated tokens re-clipped to their contracted interval.
@@ -206,7 +210,7 @@ def sat_clip(ratio: torch.Tensor, f: SATFactors, eps_low: float, eps_high: float
 def intercepted(
     ratio: torch.Tensor, advantages: torch.Tensor, f: SATFactors, eps_low: float, eps_high: float
 ) -> torch.Tensor:
-    """Number of tokens in a band clipped by SAT and not by PPO (SPEC §2, exact locus of change).
+    """Number of tokens in a band clipped by SAT and not by PPO (docs/sat.md#the-rule, exact locus of change).
 
     {A > 0, 1 + eps_high~ < r < 1 + eps_high}  or  {A < 0, 1 - eps_low < r < 1 - eps_low~}
     Only gated tokens have a contracted interval, so only they are examined. The endpoints are
