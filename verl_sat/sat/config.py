@@ -1,7 +1,7 @@
 """Dataclass configs of verl-sat, validated on construction.
 
 ``SATPolicyLossConfig`` extends verl's ``PolicyLossConfig`` (the node
-``actor_rollout_ref.actor.policy_loss``) with the settings of the SAT rule (SPEC §2, §4).
+``actor_rollout_ref.actor.policy_loss``) with the settings of the SAT rule (docs/sat.md#the-rule, §4).
 Select it from Hydra with::
 
     actor_rollout_ref.actor.policy_loss._target_=verl_sat.SATPolicyLossConfig
@@ -20,10 +20,10 @@ POLICY_LOSS_KEY = "actor_rollout_ref.actor.policy_loss"
 
 # The kernels psi(u; q) the rule may use; each has psi(0) = 1, psi(q) = 1/2, non-increasing.
 KERNELS = ("hill", "exponential")
-# The denominator of the SAT score d = log pi - log(.) (SPEC §4): the ratio's own old_log_prob
+# The denominator of the SAT score d = log pi - log(.) (docs/sat.md#which-log-probs): the ratio's own old_log_prob
 # (mu itself in bypass mode, the default), or the rollout's mu while the ratio uses old_log_prob.
 SCORE_REFERENCES = ("old_log_prob", "rollout_log_probs")
-# Over which tokens q is taken (SPEC §2 step 2): the optimizer step's (every micro-batch, every
+# Over which tokens q is taken (docs/sat.md#the-rule step 2): the optimizer step's (every micro-batch, every
 # data-parallel rank), or each micro-batch's own (degenerates for SAT-GSPO on few long sequences).
 QUANTILE_SCOPES = ("step", "micro_batch")
 # Where the step-scope score's log pi comes from: a forward pass at the step's weights before
@@ -38,20 +38,20 @@ def _is_number(value: object) -> bool:
 
 @dataclass
 class SATPolicyLossConfig(PolicyLossConfig):
-    """verl's policy-loss config plus the SAT rule (SPEC §2).
+    """verl's policy-loss config plus the SAT rule (docs/sat.md#the-rule).
 
     Args:
         sat_enabled: apply the SAT contraction; False makes ``sat`` / ``sat_gspo`` bit-identical
-            to verl's ``vanilla`` / ``gspo`` (SPEC §2, identity when off).
+            to verl's ``vanilla`` / ``gspo`` (docs/sat.md#the-rule, identity when off).
         sat_alpha: quantile level alpha of the batch reference q, in (0, 1). Paper: 0.90.
         sat_kernel: the kernel psi(u; q): ``"hill"`` = 1 / (1 + (u/q)^p) (paper) or
             ``"exponential"`` = 2^(-(u/q)^p).
         sat_kernel_exponent: the exponent p > 0 of the kernel. Paper: 2.
-        sat_score_against: the score's denominator (SPEC §4). ``"old_log_prob"`` (default): the
+        sat_score_against: the score's denominator (docs/sat.md#which-log-probs). ``"old_log_prob"`` (default): the
             ratio's, which is the rollout's mu in bypass mode. ``"rollout_log_probs"``: the
             decoupled option, the ratio against the trainer's recomputed old log-probs and the
             score against mu (needs rollout log-probs in the batch and verl-sat's worker loss).
-        sat_quantile_scope: the tokens q is taken over (SPEC §2 step 2). ``"step"`` (default):
+        sat_quantile_scope: the tokens q is taken over (docs/sat.md#the-rule step 2). ``"step"`` (default):
             every active token of the optimizer step, on every data-parallel rank, scored at the
             step's weights; needs verl-sat's worker (``sat.actor=true``) unless one micro-batch
             is the whole step. ``"micro_batch"``: each micro-batch's own tokens (the pre-0.2

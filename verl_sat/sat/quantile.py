@@ -1,6 +1,6 @@
 """Exact inverse-CDF quantile by radix selection on the float bits, across data-parallel ranks.
 
-SPEC §2 step 2: q is the smallest x with F(x) >= alpha over the active tokens of the optimizer
+docs/sat.md#the-rule step 2: q is the smallest x with F(x) >= alpha over the active tokens of the optimizer
 step, i.e. the k-th smallest value with k = ceil(alpha n). Over many micro-batches and ranks the
 values are never in one place, and gathering every token (tens of millions at the paper's
 scale) is what we must avoid. Radix selection needs only histograms:
@@ -15,7 +15,7 @@ fp32 keys have 2 digits (2 rounds), fp64 keys 4; bf16/fp16 are selected in fp32 
 rank reaches the same digits, so every rank gets the same q bit for bit, whatever its share of
 the tokens (none included). Counts are int64 (exact far beyond 16M tokens). A value may carry an
 integer weight (its multiplicity): SAT-GSPO's sequence score, broadcast to |y_b| tokens, is one
-value of weight |y_b| (SPEC §3), so nothing is expanded. Cost: one pass over the values per
+value of weight |y_b| (docs/sat.md#sequence-level), so nothing is expanded. Cost: one pass over the values per
 round (a bincount), and R + 1 all-reduces of 64K counters.
 """
 
@@ -36,7 +36,7 @@ _KEY = {torch.float32: (torch.int32, 32), torch.float64: (torch.int64, 64)}
 def quantile_rank(alpha: float, n: int) -> int:
     """k = ceil(alpha * n): the 1-based rank of the inverse-CDF alpha-quantile of n values.
 
-    F(v_(k)) = k / n >= alpha first holds at k = ceil(alpha n) (SPEC §2 step 2). alpha is read
+    F(v_(k)) = k / n >= alpha first holds at k = ceil(alpha n) (docs/sat.md#the-rule step 2). alpha is read
     as the decimal the user wrote (0.7 -> 7/10), so 0.7 * 10 gives rank 7, not 8.
     """
     exact = Fraction(alpha).limit_denominator(10**9)
@@ -136,7 +136,7 @@ def exact_quantile(
     group: object | None = None,
 ) -> torch.Tensor:
     """q = the inverse-CDF alpha-quantile of ``values`` (with multiplicities ``weights``) over all
-    ranks of ``group``, bit-exact (SPEC §2 step 2). Returns 0 (in ``values.dtype``) when there
+    ranks of ``group``, bit-exact (docs/sat.md#the-rule step 2). Returns 0 (in ``values.dtype``) when there
     are no values on any rank.
 
     ``values``: this rank's 1-D values (any float dtype); ``weights``: non-negative integer

@@ -1,4 +1,4 @@
-"""q over the optimizer step's batch: a scoring pass before the step's first backward (SPEC §2 step 2).
+"""q over the optimizer step's batch: a scoring pass before the step's first backward (docs/sat.md#the-rule step 2).
 
 "The batch" of SAT's reference q is every active token that one optimizer update accumulates:
 every micro-batch of the mini-batch, on every data-parallel rank, scored at that step's weights.
@@ -65,7 +65,7 @@ def step_scores(
     """(|d| values, multiplicities) of this rank's share of the step, exactly as the loss scores.
 
     sat:      |d_{b,t}| = |clamp(log pi - log ref, -20, 20)| over T_act, multiplicity 1
-    sat_gspo: |log rho_b| once per response, multiplicity |y_b| (broadcast to its tokens, SPEC §3)
+    sat_gspo: |log rho_b| once per response, multiplicity |y_b| (broadcast to its tokens, docs/sat.md#sequence-level)
     Built from the fused loss's own ops (``padded_log_ratio``, ``sequence_score``): the same bits,
     whatever padding holds and however wide the rows are padded.
     """
@@ -78,7 +78,7 @@ def step_scores(
 
 
 def score_reference_field(actor_config: Any) -> str:
-    """The batch field of the score's denominator (SPEC §4): old_log_probs, or the rollout's mu."""
+    """The batch field of the score's denominator (docs/sat.md#which-log-probs): old_log_probs, or the rollout's mu."""
     sat = sat_settings(actor_config.policy_loss)
     return "rollout_log_probs" if sat.sat_score_against == "rollout_log_probs" else "old_log_probs"
 
