@@ -11,7 +11,7 @@ micro_batch``), and with the step's q handed in, as the default ``step`` scope d
 16 micro-batches of the shape; the scoring pass that takes it is priced separately by
 benchmarks/step_quantile_cost.py). At 4 x 32768 a micro-batch's own q gates no sequence (each
 holds > 10% of the tokens), so SAT-GSPO there is verl's gspo after the quantile.
-Target (issues 2, 16): ratio <= 1.10.
+Target: ratio <= 1.10.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
     python benchmarks/verifier_throughput.py [--n 4096] [--chars 3000] [--repeats 3]
 
-What the reward does each step of the paper recipe (SPEC §7: 256 prompts x 16 samples): score
+What the reward does each step of the paper recipe (docs/reproduce.md: 256 prompts x 16 samples): score
 ``--n`` responses of about ``--chars`` characters each, 16 per prompt sharing a ground truth, in
 one thread (verl's reward worker calls the scorer from its thread pool, one response at a time).
 Ground truths are DAPO-style: ``--latex-frac`` of the prompts have a LaTeX answer (fraction,
@@ -17,8 +17,8 @@ ground truths repeat within a group). One burn-in pass on other responses import
 both scorers, then the scorers alternate for ``--repeats`` passes; the median is reported as
 responses per second, with the ratio and how often the two agree.
 
-``--latency`` also times single calls that tests/test_verify.py only checks for behaviour
-(issue 27): each costly answer of ``COSTLY`` (its verdict, and the seconds one call takes with
+``--latency`` also times single calls that tests/test_verify.py only checks for behaviour:
+each costly answer of ``COSTLY`` (its verdict, and the seconds one call takes with
 the caches cleared) and how long ``call_with_timeout`` takes to give up on stuck work against
 its deadline, in the main thread and in a worker thread.
 """
