@@ -98,3 +98,26 @@ def test_a_tiny_study_end_to_end(autolag, tmp_path, monkeypatch):
     text = (out / "autolag.md").read_text()
     assert "| auto |" in text and "| lag 1 |" in text and "## Primary contrasts" in text
     assert (out / "autolag_tradeoff.png").stat().st_size > 1000 and (out / "autolag_trajectory.png").is_file()
+
+
+@pytest.mark.parametrize(
+    ("protocol", "results"), [("study_protocol_autolag.md", "results"), ("study_protocol_autolag2.md", "results2")]
+)
+def test_the_committed_contrasts_recompute_from_the_committed_runs(autolag, protocol, results):
+    """Each protocol's primary contrasts, recomputed from its committed autolag_runs.csv, are the
+    committed autolag.json's (the protocol read from its new place, byte for byte the old one)."""
+    import csv
+
+    plan = autolag.read_protocol(STUDY / protocol)
+    rows = [
+        {**r, "seed": int(r["seed"]), "heldout_acc": float(r["heldout_acc"])}
+        for r in csv.DictReader((STUDY / results / "autolag_runs.csv").open())
+    ]
+    committed = json.loads((STUDY / results / "autolag.json").read_text())["primary"]
+    recomputed = [autolag.paired_conditions(rows, a, b, "heldout_acc") for a, b in plan["primary"]]
+    assert [r["seeds"] for r in recomputed] == [len(plan["seeds"])] * len(plan["primary"])
+    for new, old in zip(recomputed, committed, strict=True):
+        assert (new["a"], new["b"], new["seeds"]) == (old["a"], old["b"], old["seeds"])
+        assert new["diff"] == pytest.approx(old["diff"]) and new["ci"] == pytest.approx(old["ci"])
+        assert new["wilcoxon_p"] == pytest.approx(old["wilcoxon_p"])
+        assert new["permutation_p"] == pytest.approx(old["permutation_p"])

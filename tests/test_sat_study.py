@@ -213,24 +213,41 @@ def committed_runs(directory: str) -> list[dict]:
     ]
 
 
-def test_the_readme_quotes_the_committed_results(study):
-    """Every study number the README quotes is recomputed here from a committed runs.csv."""
+def quoted(study, stats: list[dict], arm: str, ref: str, lag: int, digits: int = 3) -> dict:
+    """The paired row of arm - ref at ``lag``, with its difference and interval as the docs print them."""
+    row = study.paired(stats, arm, ref, lag, "heldout_acc")
+    lo, hi = row["ci"]
+    return {**row, "text": f"{row['diff']:+.{digits}f} [{lo:+.{digits}f}, {hi:+.{digits}f}]"}
+
+
+def test_the_readme_quotes_the_committed_primary_result(study):
+    """The study number the README quotes is recomputed here from the committed runs.csv."""
     readme = (REPO / "README.md").read_text()
     protocol = study.read_protocol()
     ref, arm = protocol["primary"]
-
-    def quoted(stats: list[dict], a: str, lag: int) -> str:
-        row = study.paired(stats, a, ref, lag, "heldout_acc")
-        lo, hi = row["ci"]
-        return f"{row['diff']:+.3f} [{lo:+.3f}, {hi:+.3f}]"
-
     primary = committed_runs(".")
-    assert study.paired(primary, arm, ref, 8, "heldout_acc")["seeds"] == len(protocol["primary_seeds"])
-    assert quoted(primary, arm, 8) in readme
+    row = quoted(study, primary, arm, ref, protocol["stress_lag"])
+    assert row["seeds"] == len(protocol["primary_seeds"])
+    assert row["text"] in readme
+    assert "studies/confirmatory/study_protocol.md" in readme
+
+
+def test_docs_study_quotes_the_committed_results(study):
+    """Every number of docs/study.md's primary, stabilizer and dose-response tables is recomputed here
+    from a committed runs.csv (the primary's warm-up, and the second warm-up's directory)."""
+    page = (REPO / "docs" / "study.md").read_text()
+    protocol = study.read_protocol()
+    ref, arm = protocol["primary"]
+    lag = protocol["stress_lag"]
+    primary = quoted(study, committed_runs("."), arm, ref, lag, digits=4)
+    assert f"| {primary['arm_mean']:.4f} | {primary['text']} | {primary['wilcoxon_p']:.3f} |" in page
     second = committed_runs("warmup_a44e53f")
     assert {r["assets_fingerprint"] for r in second} == {"a44e53f246d0502a"}
-    for stabilizer, short in (("gspo_r3_tis", "TIS"), ("cispo_r3", "CISPO"), ("dppo_tv_r3", "DPPO-TV")):
-        assert f"{short} {quoted(second, stabilizer, 8)}" in readme, stabilizer
-    by_lag = {lag: study.paired(second, arm, ref, lag, "heldout_acc") for lag in protocol["dose_lags"]}
-    assert all(r["seeds"] == len(protocol["dose_seeds"]) for r in by_lag.values())
-    assert f"GSPO + R3 {by_lag[1]['ref_mean']:.3f} ->\n{by_lag[16]['ref_mean']:.3f}" in readme
+    for stabilizer in protocol["stabilizers"]:
+        row = quoted(study, second, stabilizer, ref, lag)
+        assert row["seeds"] == len(protocol["stabilizer_seeds"]), stabilizer
+        assert f"| {row['arm_mean']:.3f} | {row['text']} | {row['wilcoxon_p']:.3f} |" in page, stabilizer
+    for n in protocol["dose_lags"]:
+        row = quoted(study, second, arm, ref, n)
+        assert row["seeds"] == len(protocol["dose_seeds"]), n
+        assert f"| {n} | {row['ref_mean']:.3f} | {row['arm_mean']:.3f} | {row['text']} |" in page, n
