@@ -28,6 +28,7 @@ from sat_strategies import (
 
 from verl_sat.sat.fused import sequence_factors, token_factors
 from verl_sat.sat.rule import (
+    RuleSettings,
     adaptive_bounds,
     kernel_psi,
     masked_quantile,
@@ -178,7 +179,7 @@ def test_containment_sign_selection_and_gate_rate(level):
 def rule_as_applied(case: SATCase, d: torch.Tensor):
     """(factors, 1 - eps_low~, 1 + eps_high~) as the losses compute them, dense, in the case's dtype."""
     mask = case.mask
-    rule = (case.alpha, case.kernel, case.exponent)
+    rule = RuleSettings(case.alpha, case.kernel, case.exponent)
     if case.level == "token":
         f = sat_factors(d, mask, *rule)
         lower, upper = adaptive_bounds(f, case.eps_low, case.eps_high, like=d)

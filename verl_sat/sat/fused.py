@@ -26,10 +26,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
-from verl_sat.sat.rule import SATFactors, gated_bounds, kernel_psi, padded_factors, quantile_rank
+from verl_sat.sat.rule import RuleSettings, SATFactors, gated_bounds, kernel_psi, padded_factors, quantile_rank
 
 LOG_RATIO_CLAMP = 20.0  # verl's vanilla clamps log r to [-20, 20] before exp
 GSPO_LOG_RATIO_MAX = 10.0  # verl's gspo clamps log s_{b,t} at 10 before exp
@@ -206,7 +207,7 @@ def token_surrogate(
     response_mask: torch.Tensor,
     score_ref: torch.Tensor,
     mu: torch.Tensor,
-    rule: tuple[float, str, float],
+    rule: RuleSettings,
     eps_low: float,
     eps_high: float,
     clip_ratio_c: float,
@@ -218,10 +219,9 @@ def token_surrogate(
     r   = exp(d)                                                    (the tensor verl exponentiates)
     -S  = clamp(-A r, -A b, c |A|),  b = 1 + eps_high~ (A > 0) or 1 - eps_low~ (A < 0)
         = max(-A r, -A clip(r, 1 - eps_low~, 1 + eps_high~)), then min(., -A c) for A < 0
-    ``rule`` = (alpha, kernel, exponent). The score d (and dbar_pi) use ``score_ref`` (``mu``);
+    The score d (and dbar_pi) use ``score_ref`` (``mu``);
     ``step``: the step's score log pi and q, when taken over the optimizer step.
     """
-    alpha, kernel, exponent = rule
     step = step or StepScore()
     with torch.no_grad():
         lp = log_prob.detach()
@@ -237,7 +237,7 @@ def token_surrogate(
         else:
             ds = d if score_ref is old_log_prob else padded_log_ratio(lp, score_ref, response_mask, clamp=True)
         abs_ds = ds.abs()
-        f = padded_factors(ds, n, alpha, kernel, exponent, abs_ds, q=step.q)
+        f = padded_factors(ds, n, rule.alpha, rule.kernel, rule.exponent, abs_ds, q=step.q)
         if mu is score_ref and step.log_prob is None:
             abs_d = abs_ds
         else:
@@ -282,7 +282,7 @@ def sequence_surrogate(
     response_mask: torch.Tensor,
     score_ref: torch.Tensor,
     mu: torch.Tensor,
-    rule: tuple[float, str, float],
+    rule: RuleSettings,
     eps_low: float,
     eps_high: float,
     step: StepScore | None = None,
@@ -323,8 +323,8 @@ def sequence_surrogate(
             score = sequence_score(padded_log_ratio(lp, score_ref, response_mask, clamp=False), lengths)
         else:
             score = sequence_score(d, lengths)
-        f, rows, lo_b, hi_b = sequence_factors(score, lengths, n, rule, eps_low, eps_high, q=step.q)
-        f = token_factors(f, response_mask)
+        per_row = sequence_factors(score, lengths, n, rule, eps_low, eps_high, q=step.q)
+        f = token_factors(per_row.factors, response_mask)
         abs_d = d.abs() if mu is old_log_prob else padded_log_ratio(lp, mu, response_mask, clamp=False).abs_()
         if f.idx.numel() == 0:
             out = _ungated(f, n, abs_d, clean, eps_low, eps_high)
@@ -332,15 +332,15 @@ def sequence_surrogate(
             return out
         s = torch.exp(log_rho.unsqueeze(-1).expand_as(lp).contiguous().clamp_(max=GSPO_LOG_RATIO_MAX))
         neg_adv = -advantages
-        bound = torch.lerp(lo_b.unsqueeze(-1), hi_b.unsqueeze(-1), torch.sign(advantages).clamp_(min=0))
+        # a gated token lies in a gated row: the rows and their endpoints are there
+        rows, lower, upper = per_row.rows, per_row.lower.unsqueeze(-1), per_row.upper.unsqueeze(-1)
+        bound = torch.lerp(lower, upper, torch.sign(advantages).clamp_(min=0))
         p1 = neg_adv * s  # -A s
         loss = torch.maximum(p1, neg_adv.mul(bound))
         kept = _kept(loss, p1, response_mask)
-        n_band = torch.zeros((), dtype=torch.float64, device=d.device)
-        if rows.numel():
-            lo, hi = endpoints(s.dtype, s.device, eps_low, eps_high)
-            band = _band(s[rows], advantages[rows], bound[rows].to(s.dtype), lo, hi)
-            n_band = (band & response_mask[rows].bool()).sum().double()
+        lo, hi = endpoints(s.dtype, s.device, eps_low, eps_high)
+        band = _band(s[rows], advantages[rows], bound[rows].to(s.dtype), lo, hi)
+        n_band = (band & response_mask[rows].bool()).sum().double()
         n_lower = torch.zeros((), dtype=torch.float64, device=d.device)  # no dual clip in GSPO
         f64 = torch.float64
         stats = GatedStats.read(
@@ -362,46 +362,52 @@ def sequence_surrogate(
     return Surrogate(loss=loss, factors=f, n_gated=f.idx.numel(), metrics=metrics)
 
 
+class RowFactors(NamedTuple):
+    """``sequence_factors``: the rule applied per response."""
+
+    factors: SATFactors  # per row: idx = the gated rows, shape (B,)
+    rows: torch.Tensor  # (G,) the gated rows (= factors.idx)
+    lower: torch.Tensor | None  # (B,) 1 - eps_low~_b, exactly 1 - eps_low on ungated rows; None: no row gated
+    upper: torch.Tensor | None  # (B,) 1 + eps_high~_b, exactly 1 + eps_high on ungated rows; None: no row gated
+
+
 def sequence_factors(
     score: torch.Tensor,
     lengths: torch.Tensor,
     n: int,
-    rule: tuple[float, str, float],
+    rule: RuleSettings,
     eps_low: float,
     eps_high: float,
     q: torch.Tensor | None = None,
-) -> tuple[SATFactors, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+) -> RowFactors:
     """The rule on a sequence score broadcast to its |y_b| active tokens (docs/sat.md#sequence-level).
 
     q = the k-th smallest, k = ceil(alpha n), n >= 1, of {|score_b| repeated |y_b| times}: the B
     scores sorted once and their lengths accumulated (exact: integer counts in fp64); or ``q``
     as given (the optimizer step's). Then docs/sat.md#the-rule, steps 3-6, per row, the endpoints
-    from ``rule.gated_bounds``. Returns the token-level factors, the gated rows, and the per-row
-    endpoints 1 - eps_low~_b, 1 + eps_high~_b (the base endpoints, exactly, on ungated rows; None
-    when no row is gated).
+    from ``rule.gated_bounds``.
     """
-    alpha, kernel, exponent = rule
     a = score.abs()
     if q is None:  # over this micro-batch; the step's q is handed in (sat_quantile_scope=step)
         a_sorted, order = torch.sort(a)
         cum = torch.cumsum(lengths[order].double(), 0)
-        k = torch.tensor([quantile_rank(alpha, n)], dtype=cum.dtype, device=cum.device)
+        k = torch.tensor([quantile_rank(rule.alpha, n)], dtype=cum.dtype, device=cum.device)
         q = a_sorted[torch.searchsorted(cum, k)].reshape(())
     else:
         q = q.to(device=a.device, dtype=a.dtype)
     rows = ((lengths > 0) & (a > q) & (q > 0)).nonzero().squeeze(-1)
     work = torch.promote_types(score.dtype, torch.float32)
-    c_rows = kernel_psi(a[rows].to(work), q.to(work), kernel, exponent)
+    c_rows = kernel_psi(a[rows].to(work), q.to(work), rule.kernel, rule.exponent)
     pos_rows = score[rows] > 0
     f = SATFactors(q=q, idx=rows, c=c_rows, positive=pos_rows, shape=score.shape)  # per row
     if rows.numel() == 0:
-        return f, rows, None, None
+        return RowFactors(factors=f, rows=rows, lower=None, upper=None)
     lo_rows, hi_rows = gated_bounds(f, eps_low, eps_high)
     lo = torch.full_like(score, 1.0 - eps_low)
     hi = torch.full_like(score, 1.0 + eps_high)
     hi[rows] = hi_rows.to(score.dtype)
     lo[rows] = lo_rows.to(score.dtype)
-    return f, rows, lo, hi
+    return RowFactors(factors=f, rows=rows, lower=lo, upper=hi)
 
 
 def token_factors(f: SATFactors, response_mask: torch.Tensor) -> SATFactors:

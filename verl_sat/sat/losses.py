@@ -26,7 +26,7 @@ from verl.trainer.ppo.core_algos import agg_loss, compute_policy_loss_gspo, comp
 
 from verl_sat.sat.config import POLICY_LOSS_KEY, SATPolicyLossConfig, sat_settings
 from verl_sat.sat.fused import StepScore, Surrogate, sequence_surrogate, token_surrogate, ungated_metrics
-from verl_sat.sat.rule import SATFactors
+from verl_sat.sat.rule import RuleSettings, SATFactors
 
 
 # ---------------------------------------------------------------------------------------------
@@ -233,7 +233,7 @@ def compute_policy_loss_sat(
     clip_ratio_c = config.get("clip_ratio_c", 3.0)
     if not clip_ratio_c > 1.0:
         raise ValueError(f"actor_rollout_ref.actor.clip_ratio_c must be > 1.0 (dual clip), got {clip_ratio_c}")
-    rule = (sat.sat_alpha, sat.sat_kernel, sat.sat_kernel_exponent)
+    rule = RuleSettings(sat.sat_alpha, sat.sat_kernel, sat.sat_kernel_exponent)
     ref = score_reference(sat, old_log_prob)
     mu = mu_log_prob(old_log_prob)
     step = StepScore(score_log_prob(log_prob), step_reference(sat, config, response_mask))
@@ -267,7 +267,7 @@ def compute_policy_loss_sat_gspo(
     if not sat.sat_enabled:
         return _disabled(compute_policy_loss_gspo, args, response_mask)
     eps_low, eps_high = clip_radii(config)
-    rule = (sat.sat_alpha, sat.sat_kernel, sat.sat_kernel_exponent)
+    rule = RuleSettings(sat.sat_alpha, sat.sat_kernel, sat.sat_kernel_exponent)
     ref = score_reference(sat, old_log_prob)
     mu = mu_log_prob(old_log_prob)
     step = StepScore(score_log_prob(log_prob), step_reference(sat, config, response_mask))
