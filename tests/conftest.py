@@ -10,6 +10,7 @@ import pytest
 import torch
 from verl.workers.config.actor import ActorConfig
 
+import verl_sat.trainer.recipe  # noqa: F401  (registers the ConfigStore nodes the YAML composes)
 from verl_sat import SATPolicyLossConfig
 
 REPO = Path(__file__).resolve().parents[1]

@@ -248,15 +248,18 @@ def test_fault_config_errors_name_key_and_value(node: dict, message: str):
         SATRecipeConfig.from_node(OmegaConf.create({"faults": node}))
 
 
-def test_fault_config_defaults_off_and_yaml_lists_every_key():
+def test_fault_config_defaults_off_and_the_composed_cpu_default_has_every_key():
     from dataclasses import fields
+
+    from hydra import compose, initialize_config_dir
 
     from verl_sat.files import hydra_config_dir
 
     assert FaultConfig.from_node(None) == FaultConfig() and FaultConfig(lr_spike_steps=9).lr_spike_steps == (9,)
-    yaml = OmegaConf.load(Path(hydra_config_dir()) / "sat_gspo_cpu.yaml")
-    assert set(yaml.sat.faults) == {f.name for f in fields(FaultConfig)}
-    assert SATRecipeConfig.from_node(yaml.sat).faults == FaultConfig()
+    with initialize_config_dir(config_dir=str(hydra_config_dir()), version_base=None):
+        cfg = compose(config_name="sat_gspo_cpu")  # sat.faults comes from SATRecipeConfig (sat_defaults)
+    assert set(cfg.sat.faults) == {f.name for f in fields(FaultConfig)}
+    assert SATRecipeConfig.from_node(cfg.sat).faults == FaultConfig()
 
 
 def test_finish_run_summarises_into_run_json_and_a_collapse_exits_nonzero(tmp_path: Path):

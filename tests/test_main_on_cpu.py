@@ -183,8 +183,8 @@ def test_a_recipes_own_values_are_kept(tmp_path, no_build):
     data it is given are not replaced by the tiny default's."""
     train, val = user_file(tmp_path, "train.parquet"), user_file(tmp_path, "aime24.parquet")
     cfg = compose_cfg(
-        "+sat.default_assets=true",
-        f"+sat.assets_dir={tmp_path / 'empty_cache'}",
+        "sat.default_assets=true",
+        f"sat.assets_dir={tmp_path / 'empty_cache'}",
         f"sat.run_dir={tmp_path / 'run'}",
         f"{TRAIN}={train}",
         f"{VAL}={val}",

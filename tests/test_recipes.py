@@ -278,7 +278,7 @@ def test_cell_names_and_run_dir(cells: dict, method: str, lag: int) -> None:
     assert cfg["sat"]["run_dir"] == f"runs/{name}"
     assert cfg["trainer"]["default_local_dir"] == f"runs/{name}/checkpoints"
     assert cfg["trainer"]["validation_data_dir"] == f"runs/{name}/validation"
-    assert cfg["sat"]["sentinel"] == {"enabled": False}
+    assert cfg["sat"]["sentinel"]["enabled"] is False  # SentinelConfig's default (sat_defaults)
     assert cfg["trainer"]["val_only"] is (method in recipes.EVAL_ONLY)
     assert cfg["trainer"]["val_before_train"]
 

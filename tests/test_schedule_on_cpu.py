@@ -318,3 +318,38 @@ def test_recipe_flags_are_validated(node, message):
     with pytest.raises(ValueError, match=message):
         SATRecipeConfig.from_node(OmegaConf.create(node))
     assert SATRecipeConfig.from_node(OmegaConf.create({"verbose": True})).verbose is True
+
+
+@pytest.mark.parametrize("config_name", ["sat_gspo_cpu", "sat_paper"])
+def test_every_sat_key_overrides_without_a_plus(config_name):
+    """The sat: node is composed from SATRecipeConfig's defaults (ConfigStore ``sat_defaults``), so a
+    key the YAML leaves out is overridden without ``+``; the YAML's own values stay as they were."""
+    from hydra import compose, initialize_config_dir
+
+    from verl_sat.files import hydra_config_dir
+    from verl_sat.sat.config import SAT_FIELDS
+
+    overrides = [
+        "sat.sentinel.window=30",
+        "sat.faults.lr_spike_factor=5",
+        "sat.faults.lr_spike_steps=[3]",
+        "sat.auto_lag.target=0.01",
+        "actor_rollout_ref.actor.policy_loss.sat_alpha=0.8",
+    ]
+    with initialize_config_dir(config_dir=str(hydra_config_dir()), version_base=None):
+        cfg = compose(config_name=config_name, overrides=overrides)
+        plain = compose(config_name=config_name)
+    assert cfg.sat.sentinel.window == 30 and cfg.sat.faults.lr_spike_factor == 5
+    sat = SATRecipeConfig.from_node(OmegaConf.to_container(cfg.sat, resolve=False))
+    assert (sat.sentinel.window, sat.faults.lr_spike_factor, sat.faults.lr_spike_steps) == (30, 5.0, (3,))
+    assert sat.auto_lag.target == 0.01 and cfg.actor_rollout_ref.actor.policy_loss.sat_alpha == 0.8
+    # every dataclass key is there, at the class default unless the YAML sets it
+    assert set(plain.sat) == set(SATRecipeConfig.__dataclass_fields__)
+    assert set(SAT_FIELDS) <= set(plain.actor_rollout_ref.actor.policy_loss)
+    default = SATRecipeConfig.from_node(OmegaConf.to_container(plain.sat, resolve=False))
+    if config_name == "sat_gspo_cpu":
+        assert (default.lag, default.default_assets, default.auto_lag.target) == (2, True, 0.05)
+        assert (default.sentinel.enabled, default.sentinel.window, default.sentinel.warmup) == (True, 20, 6)
+    else:
+        assert (default.lag, default.routing_replay, default.sentinel.enabled) == (1, "R3", False)
+        assert default.auto_lag == SATRecipeConfig().auto_lag and default.faults == SATRecipeConfig().faults

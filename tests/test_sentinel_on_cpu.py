@@ -257,11 +257,18 @@ def test_config_from_hydra_node_and_cpu_yaml_matches_defaults():
     config = SentinelConfig.from_node(node)
     assert config.enabled and config.action == "stop" and config.mismatch_keys == ("actor/sat_q",)
     assert SentinelConfig.from_node(None) == SentinelConfig()
-    yaml = OmegaConf.load(Path(hydra_config_dir()) / "sat_gspo_cpu.yaml")
-    assert set(yaml.sat.sentinel) == {f.name for f in dataclasses.fields(SentinelConfig)}  # the yaml lists every key
-    # the CPU default: on, in log mode, windows sized for its 12 steps; every other key at the class default
+    from hydra import compose, initialize_config_dir
+
+    with initialize_config_dir(config_dir=str(hydra_config_dir()), version_base=None):
+        cfg = compose(config_name="sat_gspo_cpu")  # sat.sentinel comes from SATRecipeConfig (sat_defaults)
+    assert set(cfg.sat.sentinel) == {f.name for f in dataclasses.fields(SentinelConfig)}  # every key composed
+    # the CPU default: on, in log mode, windows sized for its 40 steps; every other key at the class default
     cpu = SentinelConfig(enabled=True, action="log", window=20, warmup=6)
-    assert SATRecipeConfig.from_node(yaml.sat).sentinel == cpu
+    assert SATRecipeConfig.from_node(cfg.sat).sentinel == cpu
+    # the YAML itself sets only what differs from the class (stats.cpu_sentinel_config reads it raw)
+    yaml = OmegaConf.load(Path(hydra_config_dir()) / "sat_gspo_cpu.yaml")
+    assert set(yaml.sat.sentinel) == {"enabled", "window", "warmup"}
+    assert SentinelConfig.from_node(yaml.sat.sentinel) == cpu
 
 
 # ---------------------------------------------------------------------------------------------

@@ -144,6 +144,7 @@ def compose_cell(method: str, lag: int, overrides: Sequence[str] = ()) -> DictCo
     """
     from hydra import compose, initialize_config_dir
 
+    import verl_sat.trainer.recipe  # noqa: F401  (registers sat_defaults, which sat_paper.yaml composes)
     from verl_sat.files import hydra_config_dir
 
     cell_args = cell_overrides(method, lag) + list(overrides)

@@ -331,3 +331,38 @@ def gate_starvation_warning(cfg: DictConfig) -> str | None:
         "per micro-batch, so SAT-GSPO's gate can fire on nothing (q = the top response's own score) and "
         "SAT-GSPO becomes GSPO; use actor_rollout_ref.actor.policy_loss.sat_quantile_scope=step"
     )
+
+
+# The ConfigStore names of the defaults above, listed in the main configs' and SAT algorithm
+# options' ``defaults:`` (``- sat_defaults@sat``, ``- /sat_policy_loss_defaults@<policy_loss>``).
+SAT_DEFAULTS_NODE = "sat_defaults"
+SAT_POLICY_LOSS_DEFAULTS_NODE = "sat_policy_loss_defaults"
+
+
+def register_config_defaults() -> None:
+    """Register the dataclass defaults in Hydra's ConfigStore, so that the YAML repeats none of them.
+
+    - ``sat_defaults``: ``SATRecipeConfig()`` (with its sentinel, faults and auto_lag nodes) as a plain
+      dict, composed at ``sat`` by ``sat_gspo_cpu.yaml`` and ``sat_paper.yaml``: every ``sat.*`` key
+      exists, so ``verl-sat sat.sentinel.window=30`` needs no ``+``. A plain dict, not a structured
+      config: ``sat.lag`` is ``int | str`` (``auto``), and ``SATRecipeConfig.from_node`` validates.
+    - ``sat_policy_loss_defaults``: the ``sat_*`` fields of ``SATPolicyLossConfig()``, composed into
+      ``actor_rollout_ref.actor.policy_loss`` by ``algorithm/sat_grpo.yaml`` and ``algorithm/sat_gspo.yaml``
+      (verl builds the dataclass from ``_target_``; the keys are there so that overrides need no ``+``).
+
+    Called when this module is imported: every composer (``verl_sat.main``, ``verl_sat.paper.grid``,
+    the tests' ``conftest.py``) imports it before composing.
+    """
+    import dataclasses
+
+    from hydra.core.config_store import ConfigStore
+
+    from verl_sat.sat.config import SAT_FIELDS, SATPolicyLossConfig
+
+    store = ConfigStore.instance()
+    store.store(name=SAT_DEFAULTS_NODE, node=dataclasses.asdict(SATRecipeConfig()))
+    loss = SATPolicyLossConfig()
+    store.store(name=SAT_POLICY_LOSS_DEFAULTS_NODE, node={name: getattr(loss, name) for name in SAT_FIELDS})
+
+
+register_config_defaults()
