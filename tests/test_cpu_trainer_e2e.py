@@ -1,5 +1,7 @@
-"""End-to-end: verl's own v1 trainer (``python -m verl.trainer.main_ppo``) on CPU, via
-``recipes/cpu/run_cpu_smoke.sh``: the plugins work under verl's unmodified entry point.
+"""End-to-end: verl's own v1 trainer (``python -m verl.trainer.main_ppo``) on CPU: the plugins
+(losses, the ``sat_<mode>`` trainers, the CPU platform, the HF rollout) work under verl's
+unmodified entry point, on the config verl-sat's ``prepare`` resolves from the CPU default with
+``recipes/cpu/run_cpu_smoke.sh``'s overrides.
 
 Each run trains a randomly initialised tiny Qwen3-MoE for a few steps (the warm-up is not
 needed to exercise the pipeline) and the test reads the console metrics. Minutes on 2 cores:
@@ -18,6 +20,27 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "recipes" / "cpu" / "run_cpu_smoke.sh"
+# Resolve the CPU default as the smoke script does (same overrides), through verl-sat's prepare,
+# and save it: verl's own entry point then runs it unchanged (argv: work dir, mode, steps, out).
+RESOLVE = """
+import sys
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+from verl_sat.files import hydra_config_dir
+from verl_sat.main import prepare
+
+work, mode, steps, out = sys.argv[1:]
+overrides = [
+    f"actor_rollout_ref.model.path={work}/model", f"data.train_files={work}/data/train.parquet",
+    f"data.val_files={work}/data/val.parquet", f"trainer.v1.trainer_mode={mode}", "sat.lag=1",
+    f"trainer.total_training_steps={steps}", "trainer.logger=[console,file]", f"sat.run_dir={out}/run",
+    "algorithm.rollout_correction.bypass_mode=false",  # old log-probs recomputed: rollout vs actor compared
+]
+with initialize_config_dir(config_dir=str(hydra_config_dir()), version_base=None):
+    cfg = compose(config_name="sat_gspo_cpu", overrides=overrides)
+prepare(cfg)
+OmegaConf.save(cfg, f"{out}/resolved.yaml", resolve=True)
+"""
 _STEP_LINE = re.compile(r"step:(\d+) - (.*)")
 _NUMBER = re.compile(r"^(?:np\.\w+\()?(-?[\d.eE+-]+|nan|inf)\)?$")
 
@@ -53,15 +76,21 @@ def parse_step_metrics(log: str) -> dict[int, dict[str, float]]:
     return steps
 
 
-def run_mode(work_dir: Path, mode: str, steps: int, timeout_s: int = 300, **env: str) -> dict[int, dict[str, float]]:
-    """Run the smoke script in ``mode`` and return the per-step metrics (fails on a non-zero exit)."""
-    run_env = {**os.environ, "WORK_DIR": str(work_dir), "MODE": mode, "STEPS": str(steps), **env}
-    run_env["PATH"] = f"{Path(sys.executable).parent}:{run_env.get('PATH', '')}"
-    proc = subprocess.run(
-        ["bash", str(SCRIPT)], env=run_env, capture_output=True, text=True, timeout=timeout_s, cwd=REPO
-    )
+def run_mode(work_dir: Path, mode: str, steps: int, timeout_s: int = 300) -> dict[int, dict[str, float]]:
+    """Run verl's ``main_ppo`` in ``mode`` on the resolved CPU default; the per-step console metrics."""
+    out = work_dir / f"verl-entry-{mode}"
+    out.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, "VERL_PLATFORM": "cpu", "VERL_ENGINE_DEVICE": "cuda", "OMP_NUM_THREADS": "1"}
+    env["TOKENIZERS_PARALLELISM"] = "false"
+    resolve = [sys.executable, "-c", RESOLVE, str(work_dir), mode, str(steps), str(out)]
+    proc = subprocess.run(resolve, env=env, capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
+    entry = [sys.executable, "-m", "verl.trainer.main_ppo", f"--config-path={out}", "--config-name=resolved"]
+    entry.append(f"hydra.run.dir={out}/hydra")
+    proc = subprocess.run(entry, env=env, capture_output=True, text=True, timeout=timeout_s, cwd=REPO)
     log = proc.stdout + proc.stderr
     assert proc.returncode == 0, log[-6000:]
+    assert "sat_sync" in (out / "resolved.yaml").read_text()  # verl-sat's trainer, registered by the plugin
     return parse_step_metrics(log)
 
 

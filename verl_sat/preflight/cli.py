@@ -1,4 +1,4 @@
-"""The preflight's command line (SPEC §7): resolve the cell as run.sh launches it, probe the
+"""The preflight's command line (docs/reproduce.md): resolve the cell as run.sh launches it, probe the
 node, run the checks, print the findings (or JSON); exit code 1 when any check fails."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The ``sat:`` recipe node and the async schedule: ``sat.lag`` onto verl's v1 keys (SPEC §1).
+"""The ``sat:`` recipe node and the async schedule: ``sat.lag`` onto verl's v1 keys (docs/sat.md#setting).
 
 One key, ``sat.lag = n``, says what the paper calls the lag: the trainer broadcasts its weights
 to the rollout every n optimizer steps. On verl 0.9.1's v1 trainer that is
@@ -60,7 +60,7 @@ class SATRecipeConfig:
         lag: optimizer steps between weight broadcasts (paper: 1 or 8), >= 1; or ``auto``: a
             broadcast when the measured mismatch asks for it (``auto_lag``, ``verl_sat.trainer.auto_lag``).
         auto_lag: the rule of ``sat.lag=auto`` (``verl_sat.trainer.auto_lag.AutoLagConfig``).
-        routing_replay: ``disabled`` | ``R2`` | ``R3`` (SPEC §6).
+        routing_replay: ``disabled`` | ``R2`` | ``R3`` (docs/routing_replay.md).
         run_dir: where the run writes metrics.jsonl, run.json and checkpoints.
         method: the Table-1 row this run stands for (for the report); None: derived from the
             loss, rollout correction and routing replay (``verl_sat.paper.table.derive_method``).
@@ -258,7 +258,7 @@ def colocate_rollout(cfg: DictConfig) -> None:
 
 
 def apply_actor(cfg: DictConfig, enabled: bool) -> None:
-    """AsyncSATActor: ``trainer_mode=sat_<mode>``, ratio against the rollout log-probs (SPEC §4)."""
+    """AsyncSATActor: ``trainer_mode=sat_<mode>``, ratio against the rollout log-probs (docs/sat.md#which-log-probs)."""
     with open_dict(cfg):
         mode = str(cfg.trainer.v1.trainer_mode)
         if enabled and not mode.startswith("sat_"):
@@ -267,7 +267,7 @@ def apply_actor(cfg: DictConfig, enabled: bool) -> None:
 
 
 def apply_routing_replay(cfg: DictConfig, mode: str) -> None:
-    """Map ``sat.routing_replay`` (SPEC §6) onto the actor engine's keys.
+    """Map ``sat.routing_replay`` (docs/routing_replay.md) onto the actor engine's keys.
 
     - megatron / veomni: verl's own ``actor.<strategy>.router_replay.mode``;
     - fsdp / fsdp2: ``actor.fsdp_config.router_replay.mode``, read by verl-sat's replay engine
@@ -302,7 +302,7 @@ def apply_routing_replay(cfg: DictConfig, mode: str) -> None:
 
 
 def gate_starvation_warning(cfg: DictConfig) -> str | None:
-    """A warning when per-micro-batch q can starve SAT-GSPO's gate (SPEC §2 step 2), else None.
+    """A warning when per-micro-batch q can starve SAT-GSPO's gate (docs/sat.md#the-rule step 2), else None.
 
     With ``sat_quantile_scope=micro_batch`` the strict |d| > q gates nothing in a micro-batch
     whose top-scored response holds >= 1 - alpha of its tokens, which is certain once a
