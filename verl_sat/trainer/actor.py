@@ -352,11 +352,10 @@ def sat_worker_class(remote_cls: Any, actor_class: type[AsyncSATActor] = AsyncSA
     return ray.remote(cls)
 
 
-def actor_class_of(config: Any) -> type[AsyncSATActor]:
+def actor_class_of(path: str | None) -> type[AsyncSATActor]:
     """The class ``sat.actor_class`` names (a dotted path): AsyncSATActor or a subclass of it."""
     import importlib
 
-    path = str(((config.get("sat") if hasattr(config, "get") else None) or {}).get("actor_class") or "")
     if not path:
         return AsyncSATActor
     module, _, name = path.rpartition(".")
@@ -388,7 +387,7 @@ class SATTrainerMixin(SentinelTrainerMixin, AutoLagTrainerMixin, SampleAccountin
         super()._init_resource_pool_mgr()  # type: ignore[misc]
         from verl.trainer.ppo.utils import Role
 
-        actor_class = actor_class_of(self.config)  # type: ignore[attr-defined]
+        actor_class = actor_class_of((self.config.get("sat") or {}).get("actor_class"))  # type: ignore[attr-defined]
         for role in (Role.Actor, Role.ActorRollout, Role.ActorRolloutRef):
             if role in self.role_worker_mapping:
                 self.role_worker_mapping[role] = sat_worker_class(self.role_worker_mapping[role], actor_class)

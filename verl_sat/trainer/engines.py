@@ -153,14 +153,14 @@ def engine_mixins(actor_config: Any) -> tuple[type, ...]:
 
 def compose(base: type, mixins: tuple[type, ...]) -> type:
     """``SAT<Engine>(*mixins, <Engine>)``: verl's engine with the mixins' methods in front."""
-    return type(f"SAT{base.__name__}", (*mixins, base), {"__module__": __name__, "sat_mixins": mixins})
+    return type(f"SAT{base.__name__}", (*mixins, base), {"__module__": __name__})
 
 
 def register_engine(backend: str, mixins: tuple[type, ...]) -> str | None:
     """Register ``compose(<verl's engine for backend>, mixins)`` and select it in this process.
 
     The base is what verl's registry returns for ``backend`` here (device and vendor as verl
-    detects them), looked up before ``VERL_ENGINE_VENDOR`` names ours. Returns the vendor key,
+    detects them), looked up with ``VERL_ENGINE_VENDOR`` unset, so it is never a composed class. Returns the vendor key,
     None when there is nothing to mix in. Idempotent per (backend, mixins).
     """
     if not mixins:
@@ -176,7 +176,6 @@ def register_engine(backend: str, mixins: tuple[type, ...]) -> str | None:
         finally:
             if previous is not None:
                 os.environ["VERL_ENGINE_VENDOR"] = previous
-        base = next((b for b in base.__mro__ if not getattr(b, "sat_mixins", ())), base)  # never compose twice
         EngineRegistry.register(model_type=MODEL_TYPE, backend=backend, device=list(DEVICES), vendor=vendor)(
             compose(base, mixins)
         )

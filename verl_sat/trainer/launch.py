@@ -32,7 +32,8 @@ from verl_sat.default.assets import (
 )
 from verl_sat.files import METRICS_FILE, RUN_RECORD
 from verl_sat.trainer import auto_lag
-from verl_sat.trainer.faults import check_writable
+from verl_sat.trainer.accounting import prepare_resume
+from verl_sat.trainer.faults import check_writable, latest_checkpoint
 from verl_sat.trainer.recipe import SATRecipeConfig
 from verl_sat.trainer.supervisor import RUN_DIR_ENV
 
@@ -113,18 +114,16 @@ def keep_earlier_metrics(cfg: DictConfig, run_dir: Path, metrics: Path) -> None:
     after that checkpoint, which this attempt redoes, move to ``*.superseded.jsonl``, so that
     ``metrics.jsonl`` and ``samples.jsonl`` hold one row per step (``verl_sat.trainer.accounting``).
     """
-    from verl_sat.trainer import accounting, faults
-
     resume = str(cfg.trainer.get("resume_mode", "disable")) == "auto"
     async_mode = str(cfg.trainer.v1.trainer_mode).removeprefix("sat_") != "sync"
-    step = faults.latest_checkpoint(Path(str(cfg.trainer.default_local_dir)), async_mode) if resume else None
+    step = latest_checkpoint(Path(str(cfg.trainer.default_local_dir)), async_mode) if resume else None
     if step is None:
         raise FileExistsError(
             f"{metrics} already holds a run and there is no checkpoint to resume from "
             f"(trainer.resume_mode={cfg.trainer.get('resume_mode')}); choose another sat.run_dir= "
             "(nothing was overwritten)"
         )
-    moved = accounting.prepare_resume(run_dir, step)
+    moved = prepare_resume(run_dir, step)
     print(
         f"[verl-sat] resuming from the checkpoint of step {step}: {moved['superseded_metric_steps']} later "
         "step(s) will be redone (their rows kept in metrics.superseded.jsonl)",

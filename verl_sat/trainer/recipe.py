@@ -103,7 +103,7 @@ class SATRecipeConfig:
             raise ValueError(f"sat.method must be a non-empty name or null (derived), got {self.method!r}")
         from verl_sat.trainer.actor import actor_class_of
 
-        actor_class_of({"sat": {"actor_class": self.actor_class}})  # importable, an AsyncSATActor
+        actor_class_of(self.actor_class)  # importable, an AsyncSATActor
         for name in ("actor", "default_assets", "verbose"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"sat.{name} must be true or false, got {getattr(self, name)!r}")
