@@ -22,6 +22,8 @@ from omegaconf import DictConfig, OmegaConf
 
 from verl_sat import preflight
 from verl_sat.preflight import GPU, Facts, Finding, ModelFacts
+from verl_sat.preflight import facts as preflight_facts
+from verl_sat.preflight.facts import snapshot_bytes, step_writeback_fields, warmup_prompts
 
 REPO = Path(__file__).resolve().parents[1]
 H200 = 141 * 10**9
@@ -194,12 +196,12 @@ def seed_small_host(cfg, facts):
 
 
 def seed_host_without_room_for_routes(cfg, facts):
-    # holds the 488 GB optimizer, not the lag-8 buffer of 32768 samples × 25 MiB of routes
+    # holds the 488 GB optimizer, not the lag-8 buffer of 36864 samples × 25 MiB of routes
     return cfg, replace(facts, host_mem_available_bytes=1000 * 10**9)
 
 
 def seed_small_disk(cfg, facts):
-    # 2 kept × 30.5e9 × (2 + 12) bytes = 854 GB
+    # 2 kept × (30.5e9 × (2 + 12) bytes = 427 GB of actor + 1.0 TB of TransferQueue snapshot) = 2.9 TB
     return cfg, replace(facts, disk_free_bytes=500 * 10**9)
 
 
@@ -335,27 +337,30 @@ def test_a_bridge_other_than_verls_pin_is_named(cfg: DictConfig) -> None:
 
 
 def test_host_estimate_includes_rollout_buffer_and_routes(cfg: DictConfig) -> None:
-    # lag 8: 2048 prompts a global step; num_warmup_batches 1/8 of a 2048 batch fetched per 2048
-    # prompts rounds down to no warm-up (verl's _add_async_warmup_batches)
-    assert preflight.buffered_prompts(cfg) == 2048
+    # lag 8: 2048 prompts a global step + the warm-up verl issues ahead of it, 0.125 × 2048 = 256
+    # (verl fetches them one prompt at a time in the async modes: gen_batch_size 1)
+    assert preflight.buffered_prompts(cfg) == 2048 + 256
+    samples = (2048 + 256) * 16
     prompt, response = 2047, 30720
     layers, top_k = BASE_CONFIG["num_hidden_layers"], BASE_CONFIG["num_experts_per_tok"]
     routes_per_sample = (prompt + response) * layers * top_k * 2  # int16 ids
-    per_sample = (prompt + response) * 3 * 8 + response * (2 * 8 + 4) + routes_per_sample
+    # int64 input_ids, prompts + responses, position_ids; int64 response_mask, loss_mask and fp32
+    # rollout_log_probs, rm_scores over the response
+    per_sample = (prompt + response) * 3 * 8 + response * (2 * 8 + 2 * 4) + routes_per_sample
     buffer = preflight.rollout_buffer_bytes(cfg, BASE_CONFIG)
     assert buffer == {
-        "samples": 2048 * 16,
+        "samples": samples,
         "per_sample": per_sample,
-        "routes": 2048 * 16 * routes_per_sample,
-        "total": 2048 * 16 * per_sample,
+        "routes": samples * routes_per_sample,
+        "total": samples * per_sample,
     }
-    assert round(buffer["routes"] / 2**30) == 768  # 32768 samples × 24 MiB of routes (32k tokens × 768 B)
+    assert round(buffer["routes"] / 2**30) == 864  # 36864 samples × 24 MiB of routes (32k tokens × 768 B)
     # R3 off: no routes
     plain = copy.deepcopy(cfg)
     set_key(plain, "actor_rollout_ref.rollout.enable_rollout_routing_replay", False)
     assert preflight.rollout_buffer_bytes(plain, BASE_CONFIG)["routes"] == 0
-    # a warm-up that fills whole fetches counts (gen_batch_size 256: one mini-batch ahead)
-    set_key(plain, "data.gen_batch_size", 256)
+    # a gen_batch_size set by hand changes nothing: verl's _init_dataloader overrides it to 1
+    set_key(plain, "data.gen_batch_size", 2048)
     assert preflight.buffered_prompts(plain) == 2048 + 256
 
 
@@ -364,7 +369,8 @@ def test_host_check_counts_optimizer_plus_buffer(cfg: DictConfig) -> None:
     need = preflight.host_optimizer_bytes(cfg, params) + preflight.rollout_buffer_bytes(cfg, BASE_CONFIG)["total"]
     assert failures(cfg, replace(good_facts(cfg), host_mem_available_bytes=need), preflight.check_host_memory) == []
     (short,) = failures(cfg, replace(good_facts(cfg), host_mem_available_bytes=need - 1), preflight.check_host_memory)
-    assert "rollout buffer 32768 samples" in short.message and short.key == "data.max_response_length"
+    assert "rollout buffer 36864 samples" in short.message and short.key == "data.max_response_length"
+    assert "data.train_batch_size + 256 warm-up prompts" in short.message
 
 
 def test_host_estimate_follows_the_formula(cfg: DictConfig) -> None:
@@ -381,6 +387,100 @@ def test_no_offload_counts_only_the_rollout_buffer(cfg: DictConfig) -> None:
     assert preflight.check_host_memory(cfg, replace(good_facts(cfg), host_mem_available_bytes=buffer)) == []
     (short,) = preflight.check_host_memory(cfg, replace(good_facts(cfg), host_mem_available_bytes=buffer - 1))
     assert "offloaded optimizer" not in short.message and "rollout buffer" in short.message
+
+
+def test_disk_estimate_counts_the_kept_snapshots(cfg: DictConfig) -> None:
+    params = QWEN3_30B_BYTES // 2
+    actor = preflight.checkpoint_bytes(cfg, params)
+    snapshot = snapshot_bytes(cfg, BASE_CONFIG)
+    # what TransferQueue holds at the save: the step's batch (cleared after the save) + the warm-up
+    # window, at full length with R3's routes, and what the step wrote back onto its batch
+    assert snapshot["samples"] == (2048 + 256) * 16
+    assert snapshot["buffer"] == preflight.rollout_buffer_bytes(cfg, BASE_CONFIG)["total"]
+    fields = step_writeback_fields(cfg)  # bypass on (no entropy, no IS weights), KL loss on
+    assert fields == ("old_log_probs", "ref_log_prob", "advantages", "returns")
+    assert snapshot["writeback"] == 2048 * 16 * 30720 * 4 * len(fields)
+    assert snapshot["total"] == snapshot["buffer"] + snapshot["writeback"]
+    assert round(snapshot["total"] / 10**12, 2) == 1.00  # about 1 TB a save at lag 8 with R3
+    kept = preflight.kept_checkpoints(cfg)
+    assert kept == 2
+    # the actor checkpoints alone (the estimate before snapshots were counted) no longer pass
+    (short,) = failures(cfg, replace(good_facts(cfg), disk_free_bytes=kept * actor), preflight.check_disk)
+    assert "TransferQueue snapshot: 36864 samples" in short.message and short.key == "trainer.max_actor_ckpt_to_keep"
+    need = kept * (actor + snapshot["total"])
+    assert failures(cfg, replace(good_facts(cfg), disk_free_bytes=need), preflight.check_disk) == []
+    assert failures(cfg, replace(good_facts(cfg), disk_free_bytes=need - 1), preflight.check_disk)
+    # sync saves no snapshot: the actor checkpoints are all
+    set_key(cfg, "trainer.v1.trainer_mode", "sat_sync")
+    assert snapshot_bytes(cfg, BASE_CONFIG)["total"] == 0
+    assert failures(cfg, replace(good_facts(cfg), disk_free_bytes=kept * actor), preflight.check_disk) == []
+
+
+def test_disk_warns_when_the_snapshots_routes_are_unknown(cfg: DictConfig) -> None:
+    config = {k: v for k, v in BASE_CONFIG.items() if k != "num_experts_per_tok"}
+    facts = replace(good_facts(cfg), model=replace(good_facts(cfg).model, config=config))
+    (warning,) = preflight.check_disk(cfg, facts)
+    assert warning.level == "warn" and "TransferQueue snapshots not estimated" in warning.message
+
+
+def verl_dataloader_stand_in(cfg: DictConfig, monkeypatch: pytest.MonkeyPatch) -> object:
+    """verl's own ``PPOTrainer._init_dataloader`` run on the cell, its datasets stubbed: the
+    trainer's ``data.gen_batch_size`` as verl rewrites it."""
+    from verl.trainer.ppo.v1 import trainer_base
+
+    monkeypatch.setattr(trainer_base, "create_rl_dataset", lambda *args, **kwargs: list(range(4096)))
+    monkeypatch.setattr(trainer_base, "create_rl_sampler", lambda *args, **kwargs: None)
+    mode = preflight_facts.base_mode(cfg)
+    trainer = object.__new__(trainer_base.get_trainer_cls(mode))
+    trainer.config = copy.deepcopy(cfg)
+    trainer.trainer_mode, trainer.tokenizer, trainer.processor = mode, None, None
+    trainer.parameter_sync_step = int(cfg.trainer.v1.get(mode, {}).get("parameter_sync_step", 1))
+    trainer._init_dataloader()
+    return trainer
+
+
+@pytest.mark.parametrize(("lag", "mode"), [(1, None), (8, None), (1, "sat_sync")], ids=["lag1", "lag8", "sync"])
+def test_the_warm_up_is_verls_own_count(lag: int, mode: str | None, tmp_path: Path, monkeypatch) -> None:
+    cfg = preflight.resolve_cell("sat_gspo_r3", lag, run_dir=str(tmp_path))
+    if mode is not None:
+        set_key(cfg, "trainer.v1.trainer_mode", mode)
+    trainer = verl_dataloader_stand_in(cfg, monkeypatch)
+    # the gen_batch_size verl's trainer runs with (1 in the async modes, whatever the config says),
+    # as its dataloader fetches and as its later reads see it (unset: data.train_batch_size)
+    gen = preflight_facts.verl_gen_batch_size(cfg)
+    assert trainer.train_dataloader.batch_size == gen == (1 if mode is None else 256)
+    assert (trainer.config.data.get("gen_batch_size") or trainer.config.data.train_batch_size) == gen
+    # verl's on_train_begin on that trainer issues what the estimate counts
+    issued: list[int] = []
+    trainer._restored_tq_prompt_count = 0
+    trainer._add_prompts_to_generate = issued.append
+    trainer.on_train_begin()
+    assert sum(issued) == warmup_prompts(cfg)
+    # the paper's intent: one 256-prompt optimizer batch in flight ahead of the trainer, at both lags
+    assert warmup_prompts(cfg) == (0 if mode == "sat_sync" else 256)
+    assert preflight.buffered_prompts(cfg) == 256 * lag + warmup_prompts(cfg)
+
+
+def test_sat_trainers_leave_the_warm_up_to_verl() -> None:
+    from verl_sat.trainer.actor import SATTrainerMixin
+
+    # warmup_prompts runs verl's base class's on_train_begin: no verl-sat mixin may override it
+    assert not [c for c in SATTrainerMixin.__mro__ if "on_train_begin" in vars(c)]
+
+
+def test_routing_replay_names_the_sglang_whose_routes_format_it_knows(cfg: DictConfig) -> None:
+    from verl_sat.verl_fixes import SGLANG_ROUTES_FORMAT_VERSIONS
+
+    assert SGLANG_ROUTES_FORMAT_VERSIONS == ("0.5.12",)  # the release verl 0.9.1 pins, read in its source
+    assert preflight.check_routing_replay(cfg, good_facts(cfg)) == []
+    facts = good_facts(cfg)
+    facts = replace(facts, versions={**facts.versions, "sglang": "0.5.13"})
+    (warn,) = preflight.check_routing_replay(cfg, facts)
+    assert warn.level == "warn" and warn.key == "actor_rollout_ref.rollout.enable_rollout_routing_replay"
+    assert "format of sglang 0.5.12" in warn.message and "sglang 0.5.13 is installed" in warn.message
+    # another engine: SGLang's routes are never decoded, nothing to say
+    set_key(cfg, "actor_rollout_ref.rollout.name", "vllm")
+    assert preflight.check_routing_replay(cfg, facts) == []
 
 
 def test_unset_keep_counts_every_checkpoint(cfg: DictConfig) -> None:
@@ -596,8 +696,10 @@ def test_module_imports_nothing_heavy() -> None:
         "os",
         "shlex",
         "shutil",
+        "signal",
         "subprocess",
         "sys",
+        "threading",
         "time",
         "collections",
         "dataclasses",

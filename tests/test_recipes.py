@@ -424,3 +424,148 @@ def test_run_sh_dry_run(tmp_path: Path) -> None:
         assert arg in out
     assert out[-1] == "trainer.logger=[console]"
     assert not run_dir.exists()
+
+
+# ---------------------------------------------------------------------------------------------
+# grid.sh: each launch without stdin, on past a failed cell, a status table at the end
+# ---------------------------------------------------------------------------------------------
+FAKE_PYTHON = """#!/usr/bin/env bash
+# The grid's own python for verl_sat.paper.grid; a stand-in for the preflight and the launch that
+# reads its stdin to the end (as a process that prompts would) and fails the cell named in FAIL_CELL.
+set -u
+if [[ "$2" == verl_sat.paper.grid ]]; then exec {python} "$@"; fi
+if [[ "$2" == verl_sat.preflight ]]; then exit 0; fi
+run_dir=$(printf '%s\\n' "$@" | sed -n 's/^sat.run_dir=//p')
+stdin=$(cat)
+printf '%s\\t%s\\n' "$(basename "$run_dir")" "${{#stdin}}" >> "$GRID_LOG"
+[[ "$(basename "$run_dir")" != "$FAIL_CELL" ]] || exit 7
+"""
+
+
+def run_grid(tmp_path: Path, only: str, fail: str, stop: bool = False) -> subprocess.CompletedProcess[str]:
+    import sys
+
+    python = tmp_path / "python"
+    python.write_text(FAKE_PYTHON.format(python=sys.executable))
+    python.chmod(0o755)
+    env = {
+        **os.environ,
+        "PYTHON": str(python),
+        "RUNS_ROOT": str(tmp_path / "runs"),
+        "GRID_LOG": str(tmp_path / "launches.tsv"),
+        "FAIL_CELL": fail,
+        "ONLY": only,
+        "SAT_SKIP_PREFLIGHT": "1",
+    }
+    if stop:
+        env["STOP_ON_FAILURE"] = "1"
+    # the grid's own stdin holds lines a launch could swallow
+    return subprocess.run(
+        [str(REPO / "recipes/sat_paper/grid.sh"), "--launch", "trainer.total_training_steps=1"],
+        input="y\n" * 1000,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
+
+
+def test_grid_runs_on_past_a_failed_cell_without_giving_its_stdin(tmp_path: Path) -> None:
+    out = run_grid(tmp_path, only="grpo:1 gspo_r3:8 sat_gspo_r3:8", fail="gspo_r3-lag8")
+    assert out.returncode == 1, out.stdout + out.stderr
+    launches = [line.split("\t") for line in (tmp_path / "launches.tsv").read_text().splitlines()]
+    # every cell launched, in the grid's order, and none read a byte of the grid's stdin
+    assert [name for name, _ in launches] == ["grpo-lag1", "gspo_r3-lag8", "sat_gspo_r3-lag8"]
+    assert [read for _, read in launches] == ["0", "0", "0"]
+    assert "[grid] gspo_r3 lag 8: FAILED (exit 7)" in out.stderr
+    table = (tmp_path / "runs" / "grid_status.tsv").read_text().splitlines()
+    assert table[0].split("\t") == ["method", "lag", "status", "exit", "run_dir"]
+    assert [row.split("\t")[:4] for row in table[1:]] == [
+        ["grpo", "1", "done", "0"],
+        ["gspo_r3", "8", "FAILED", "7"],
+        ["sat_gspo_r3", "8", "done", "0"],
+    ]
+    assert "3 cells, 1 failed" in out.stdout
+
+
+def test_grid_stops_at_the_first_failure_when_asked(tmp_path: Path) -> None:
+    out = run_grid(tmp_path, only="grpo:1 gspo_r3:8 sat_gspo_r3:8", fail="grpo-lag1", stop=True)
+    assert out.returncode == 1, out.stdout + out.stderr
+    assert (tmp_path / "launches.tsv").read_text().splitlines() == ["grpo-lag1\t0"]
+    rows = [row.split("\t")[:4] for row in (tmp_path / "runs" / "grid_status.tsv").read_text().splitlines()[1:]]
+    assert rows == [
+        ["grpo", "1", "FAILED", "7"],
+        ["gspo_r3", "8", "not run", "-"],
+        ["sat_gspo_r3", "8", "not run", "-"],
+    ]
+
+
+def test_a_grid_that_succeeds_exits_0(tmp_path: Path) -> None:
+    out = run_grid(tmp_path, only="base:1", fail="none")
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "1 cells, 0 failed" in out.stdout
+
+
+# ---------------------------------------------------------------------------------------------
+# Adam's betas reach Megatron (verl's init_megatron_optim_config reads override_optimizer_config)
+# ---------------------------------------------------------------------------------------------
+def megatron_optimizer_config(cfg: Any) -> Any:
+    """What verl's Megatron engine hands Megatron for ``cfg``'s actor: the optim node as verl's
+    dataclass (``omega_conf_to_dataclass``), then verl's own ``init_megatron_optim_config``
+    (``workers/engine/megatron/transformer_impl.py::_build_optimizer``; bf16 as the paper's model).
+    TransformerEngine is not installed here; Megatron's ``OptimizerConfig`` asks its version for the
+    precision-aware optimizer, so that one query answers as the GPU node's TE >= 2.1 would."""
+    from unittest import mock
+
+    from megatron.core.optimizer import optimizer_config
+    from verl.utils.config import omega_conf_to_dataclass
+    from verl.utils.megatron.optimizer import init_megatron_optim_config
+
+    optim = omega_conf_to_dataclass(OmegaConf.create(OmegaConf.to_container(cfg.actor_rollout_ref.actor.optim)))
+    with mock.patch.object(optimizer_config, "is_te_min_version", lambda version, check_equality=True: True):
+        return init_megatron_optim_config(optim, use_distributed_optimizer=True, bf16=True)
+
+
+def launched(container: dict[str, Any]) -> Any:
+    """A composed cell as ``verl_sat.main`` maps it before verl sees it (``apply_recipe``)."""
+    from verl_sat.main import apply_recipe
+    from verl_sat.trainer.recipe import SATRecipeConfig
+
+    cfg = OmegaConf.create(container)
+    apply_recipe(cfg, SATRecipeConfig.from_node(cfg.sat))
+    return cfg
+
+
+@pytest.mark.gpu_branch
+@pytest.mark.parametrize(("method", "lag"), ALL_CELLS)
+def test_megatron_gets_the_papers_betas_in_every_cell(cells: dict, method: str, lag: int) -> None:
+    """verl's own Megatron optimizer config carries Adam (0.9, 0.98) for every cell; without
+    verl-sat's mapping it carries Megatron's defaults (0.9, 0.999): the bug it guards."""
+    container = cells[(method, lag)]
+    unmapped = megatron_optimizer_config(OmegaConf.create(container))
+    assert (unmapped.adam_beta1, unmapped.adam_beta2) == (0.9, 0.999)  # verl drops optim.betas
+    config = megatron_optimizer_config(launched(container))
+    assert (config.adam_beta1, config.adam_beta2) == (0.9, 0.98)
+    # the rest of the override still arrives (the recipe's CPU-offloaded optimizer)
+    assert config.optimizer_cpu_offload is True and config.optimizer_offload_fraction == 1.0
+
+
+@pytest.mark.gpu_branch
+def test_a_beta_passed_to_megatron_explicitly_wins(cells: dict) -> None:
+    container = copy_container(cells[("sat_gspo_r3", 8)])
+    override = container["actor_rollout_ref"]["actor"]["optim"]["override_optimizer_config"]
+    override["adam_beta2"] = 0.95
+    with pytest.warns(UserWarning, match=r"override_optimizer_config.adam_beta2=0.95 differs from .*optim.betas"):
+        config = megatron_optimizer_config(launched(container))
+    assert (config.adam_beta1, config.adam_beta2) == (0.9, 0.95)
+    # betas given on the command line (optim.betas) flow through when no explicit override is set
+    container = copy_container(cells[("gspo", 1)])
+    container["actor_rollout_ref"]["actor"]["optim"]["betas"] = [0.8, 0.9]
+    config = megatron_optimizer_config(launched(container))
+    assert (config.adam_beta1, config.adam_beta2) == (0.8, 0.9)
+
+
+def copy_container(container: dict[str, Any]) -> dict[str, Any]:
+    import copy
+
+    return copy.deepcopy(container)

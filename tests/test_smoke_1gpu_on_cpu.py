@@ -134,32 +134,73 @@ def test_overrides_compose_and_validate(
     validate_config(cfg, use_reference_policy=True, use_critic=False)
 
 
-def test_the_fallback_slots_compose_into_the_runtime_env(
+@pytest.mark.gpu_branch
+def test_the_slots_compose_into_the_runtime_env(
     commands: tuple[Path, list[list[str]]], monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """The launches carry the slot mode's overrides, and verl-sat's prepare keeps them beside its
+    own runtime-env entry: what ray.init receives in the smoke."""
     from verl_sat.main import prepare
     from verl_sat.trainer import launch
 
     monkeypatch.setattr(launch, "check_paths", lambda cfg: None)
     monkeypatch.setenv("VERL_FILE_LOGGER_PATH", "restored after the test")
     _, lines = commands
-    overrides = [o for o in main_overrides(lines[2]) if not o.startswith("+ray_kwargs")]
-    cfg = compose(overrides + gpu_env.slot_overrides("runtime_env", "0"))
+    overrides = main_overrides(lines[2])
+    assert [o for o in overrides if o.startswith("+ray_kwargs")] == gpu_env.slot_overrides("runtime_env", "0")
+    cfg = compose(overrides)
     prepare(cfg)
     env_vars = cfg.ray_kwargs.ray_init.runtime_env.env_vars
-    # strings, as Ray's runtime env needs them; verl-sat's own entry is merged in beside them
-    assert (env_vars.CUDA_VISIBLE_DEVICES, env_vars[gpu_env.NOSET]) == ("0", "1")
+    # a string, as Ray's runtime env needs it; verl-sat's own entry is merged in beside it
+    assert env_vars.CUDA_VISIBLE_DEVICES == "0" and "RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES" not in env_vars
     assert env_vars.VERL_FILE_LOGGER_PATH.endswith("metrics.jsonl") and cfg.ray_kwargs.ray_init.num_gpus == 2
-    assert gpu_env.visible_devices("runtime_env", "0") == "0" and gpu_env.visible_devices("repeat", "3") == "3,3"
 
 
 # ---------------------------------------------------------------------------------------------
 # the stage runner and the environment probe
 # ---------------------------------------------------------------------------------------------
-def run_stage_cli(summary: Path, name: str, *command: str) -> subprocess.CompletedProcess:
+def run_stage_cli(summary: Path, name: str, *command: str, timeout: float = 0) -> subprocess.CompletedProcess:
     runner = REPO / "verl_sat/preflight/stages.py"  # by path, as the script runs it
-    cli = [sys.executable, str(runner), "--summary", str(summary), "--name", name, "--tail", "3", "--", *command]
-    return subprocess.run(cli, capture_output=True, text=True)
+    cli = [sys.executable, str(runner), "--summary", str(summary), "--name", name, "--tail", "3"]
+    cli += ["--timeout", str(timeout), "--", *command]
+    return subprocess.run(cli, capture_output=True, text=True, timeout=120)
+
+
+def running(pid: int) -> bool:
+    """``pid`` exists and is not a zombie (an orphan this container's init has not reaped yet)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except FileNotFoundError:
+        return False
+    return fields[0] != "Z"
+
+
+def test_a_stage_past_its_timeout_fails_and_ends_its_process_group(tmp_path: Path) -> None:
+    """A hung stage (here a child that sleeps) is ended after --timeout with the whole group, says
+    so on its FAIL line, exits 124 and is recorded with its timeout."""
+    summary, pid_file = tmp_path / "smoke_summary.json", tmp_path / "sleeper.pid"
+    hung = f"echo started; sleep 60 & echo $! > {pid_file}; wait"
+    out = run_stage_cli(summary, "offload", "bash", "-c", hung, timeout=2)
+    assert out.returncode == stages.TIMED_OUT == 124, out.stdout + out.stderr
+    lines = out.stdout.splitlines()
+    (fail,) = [line for line in lines if line.startswith("[smoke] FAIL offload")]
+    assert fail.startswith("[smoke] FAIL offload (timeout after 2 s)")
+    assert "[smoke]   | started" in lines
+    report = json.loads(summary.read_text())
+    assert (report["ok"], report["failed"]) == (False, "offload")
+    (stage,) = report["stages"]
+    assert (stage["status"], stage["returncode"], stage["timeout"]) == ("FAIL", 124, 2.0)
+    assert not running(int(pid_file.read_text()))  # the grandchild went with its group
+    # a stage within its limit passes and records no timeout
+    ok = run_stage_cli(summary, "check", "bash", "-c", "echo fine", timeout=30)
+    assert ok.returncode == 0 and json.loads(summary.read_text())["stages"][1]["timeout"] is None
+
+
+def test_every_stage_of_the_script_has_a_timeout() -> None:
+    text = SCRIPT.read_text()
+    for name in [*STAGES, "assets"]:
+        assert f"TIMEOUT_{name.upper()}=${{TIMEOUT_{name.upper()}:-" in text, name
+    assert '--timeout "${!limit_var}"' in text
 
 
 def test_stage_runner_passes_fails_and_keeps_a_summary(tmp_path: Path) -> None:
@@ -197,7 +238,7 @@ case "$1" in
 open('$slots', 'w').write(gpu_env.slots_file('runtime_env', '0'))"
         echo "probe ok" ;;
     -m)
-        echo "CUDA_VISIBLE_DEVICES=$CUDA_VISIBLE_DEVICES $*" >> "{calls}"
+        echo "CUDA_VISIBLE_DEVICES=${{CUDA_VISIBLE_DEVICES:-}} $*" >> "{calls}"
         if [[ " $* " != *optimizer_cpu_offload=false* ]]; then
             for i in $(seq 1 50); do echo "training line $i"; done
             echo "RuntimeError: offload broke"; exit 3
@@ -216,6 +257,7 @@ def test_the_script_stops_at_the_first_failing_stage(tmp_path: Path) -> None:
     (tmp_path / "assets" / "model" / "config.json").write_text("{}")  # built: no assets stage
     run = tmp_path / "run"
     env = dict(os.environ, PYTHON=str(fake), RUN_DIR=str(run), ASSETS_DIR=str(tmp_path / "assets"))
+    env["CUDA_VISIBLE_DEVICES"] = "5"  # the user's: the smoke's driver must not pass it on
     env.pop("DRY_RUN", None)
     out = subprocess.run(["bash", str(SCRIPT), "trainer.logger=[console]"], env=env, capture_output=True, text=True)
     assert out.returncode == 1
@@ -225,51 +267,89 @@ def test_the_script_stops_at_the_first_failing_stage(tmp_path: Path) -> None:
     report = json.loads((run / "smoke_summary.json").read_text())
     assert report["failed"] == "offload" and [s["name"] for s in report["stages"]] == STAGES[:3]
     assert report["stages"][2]["tail"][-1] == "RuntimeError: offload broke"
-    # the launches used the mode the probe chose: one device, slots mapped by the runtime env
+    # the launches used the mode the probe chose: the driver without CUDA_VISIBLE_DEVICES, the
+    # workers given GPU 0 by the runtime env
     launches = calls.read_text().splitlines()
-    assert len(launches) == 2 and all(line.startswith("CUDA_VISIBLE_DEVICES=0 ") for line in launches)
+    assert len(launches) == 2 and all(line.startswith("CUDA_VISIBLE_DEVICES= ") for line in launches)
     assert all("+ray_kwargs.ray_init.runtime_env.env_vars.CUDA_VISIBLE_DEVICES='0'" in line for line in launches)
 
 
-def test_probe_falls_back_only_when_repeat_fails() -> None:
+def test_probe_reports_the_mode_and_each_import() -> None:
     imports_ok = lambda module: {"ok": True, "version": "1"}  # noqa: E731
-    tried: list[str] = []
-
-    def modes(results: dict[str, bool]):
-        def probe(mode: str, gpu: str) -> dict:
-            tried.append(mode)
-            return {"ok": results[mode]}
-
-        return probe
-
-    report = gpu_env.run_probe("0", "megatron.bridge", imports_ok, modes({"repeat": True, "runtime_env": True}))
-    assert (report["ok"], report["mode"], tried) == (True, "repeat", ["repeat"])
-    tried.clear()
-    report = gpu_env.run_probe("0", "megatron.bridge", imports_ok, modes({"repeat": False, "runtime_env": True}))
-    assert (report["ok"], report["mode"], tried) == (True, "runtime_env", ["repeat", "runtime_env"])
-    report = gpu_env.run_probe("0", "megatron.bridge", imports_ok, modes({"repeat": False, "runtime_env": False}))
+    passing = lambda mode, gpu: {"ok": True}  # noqa: E731
+    failing = lambda mode, gpu: {"ok": False, "error": "no"}  # noqa: E731
+    assert gpu_env.SLOT_MODES == ("runtime_env",)
+    report = gpu_env.run_probe("0", "megatron.bridge", imports_ok, passing)
+    assert (report["ok"], report["mode"]) == (True, "runtime_env")
+    report = gpu_env.run_probe("0", "megatron.bridge", imports_ok, failing)
     assert (report["ok"], report["mode"]) == (False, None)
     no_bridge = lambda module: {"ok": module != "megatron.bridge", "error": "ModuleNotFoundError"}  # noqa: E731
-    report = gpu_env.run_probe("0", "megatron.bridge", no_bridge, modes({"repeat": True, "runtime_env": True}))
+    report = gpu_env.run_probe("0", "megatron.bridge", no_bridge, passing)
     assert report["ok"] is False and report["imports"]["megatron.bridge"]["ok"] is False
     assert set(report["imports"]) == {"sglang", "megatron-core", "TransformerEngine", "megatron.bridge"}
+    with pytest.raises(ValueError, match="slot mode must be one of \\['runtime_env'\\], got 'repeat'"):
+        gpu_env.slot_overrides("repeat", "0")
 
 
 def test_slots_file_is_bash_the_script_can_source(tmp_path: Path) -> None:
     path = tmp_path / "gpu_slots.sh"
     path.write_text(gpu_env.slots_file("runtime_env", "1"))
-    script = f'source {path}; echo "$SLOT_MODE $SLOT_CUDA_VISIBLE_DEVICES"; printf "%s\\n" "${{SLOT_OVERRIDES[@]}}"'
+    script = f'source {path}; echo "$SLOT_MODE"; printf "%s\\n" "${{SLOT_OVERRIDES[@]}}"'
     lines = subprocess.run(["bash", "-c", script], capture_output=True, text=True, check=True).stdout.splitlines()
-    assert lines[0] == "runtime_env 1" and lines[1:] == gpu_env.slot_overrides("runtime_env", "1")
+    assert lines[0] == "runtime_env" and lines[1:] == gpu_env.slot_overrides("runtime_env", "1")
+    assert lines[1:] == [
+        "+ray_kwargs.ray_init.num_gpus=2",
+        "+ray_kwargs.ray_init.runtime_env.env_vars.CUDA_VISIBLE_DEVICES='1'",
+    ]
 
 
-def test_the_probe_reads_devices_under_the_launchs_visible_devices() -> None:
-    # a real child process on this CPU node: torch sees CUDA_VISIBLE_DEVICES=0,0 and no device
-    report = gpu_env.probe_mode("repeat", "0")
-    assert report["ok"] is False
-    assert report["torch"]["cuda_visible_devices"] == "0,0" and report["torch"]["device_count"] == 0
-    assert "device_count()=0 under CUDA_VISIBLE_DEVICES=0,0" in gpu_env.describe(report)
-    assert stages.PREFIX == "[smoke]"
+@pytest.mark.gpu_branch
+@pytest.mark.parametrize("gpu", ["0", "3"])
+def test_the_slot_mode_passes_torchs_parser_in_every_ray_worker(gpu: str) -> None:
+    """The probe as the env stage runs it (a child process, the driver's CUDA_VISIBLE_DEVICES
+    removed), with a real ``ray.init(num_gpus=2, runtime_env=...)``: both GPU-slot actors and the
+    actor without a GPU see ``CUDA_VISIBLE_DEVICES=<gpu>`` and torch's parser makes ``[<gpu>]`` of
+    it; Ray reports the slot's GPU id as that GPU. Only the allocation on cuda:0 is left to a GPU
+    node (here torch finds no device, so the report as a whole fails)."""
+    report = gpu_env.probe_mode("runtime_env", gpu)
+    assert report["ray"]["ok"] is True, gpu_env.describe(report)
+    slots = report["ray"]["slots"]
+    assert [s["role"] for s in slots] == ["gpu slot", "gpu slot", "no-gpu actor"]
+    assert all(s["cuda_visible_devices"] == gpu and s["torch_parse"] == [int(gpu)] for s in slots)
+    assert [s["ray_gpu_ids"] for s in slots] == [[gpu], [gpu], []]
+    assert report["torch"]["cuda_visible_devices"] is None  # the driver's environment: unset
+    assert report["torch"]["device_count"] == 0 and report["ok"] is False  # no CUDA on this node
+
+
+RAY_INIT_WITH_VISIBLE = """
+import os, ray
+os.environ["CUDA_VISIBLE_DEVICES"] = "0"
+try:
+    ray.init(num_gpus=2, num_cpus=1, include_dashboard=False)
+except ValueError as err:
+    print("ValueError:", err)
+else:
+    print("started")
+    ray.shutdown()
+"""
+
+
+@pytest.mark.gpu_branch
+def test_the_dropped_slot_modes_fail_in_torch_and_ray() -> None:
+    """Why ``repeat`` and the driver-side ``CUDA_VISIBLE_DEVICES=G`` were dropped, with the real
+    libraries: torch parses ``0,0`` as no device, and ``ray.init(num_gpus=2)`` refuses to start
+    beside ``CUDA_VISIBLE_DEVICES=0``."""
+    parse = "import torch; print(torch.cuda._parse_visible_devices())"
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="0,0")
+    repeated = subprocess.run([sys.executable, "-c", parse], env=env, capture_output=True, text=True, check=True)
+    assert repeated.stdout.strip() == "[]"
+    env["CUDA_VISIBLE_DEVICES"] = "0"
+    single = subprocess.run([sys.executable, "-c", parse], env=env, capture_output=True, text=True, check=True)
+    assert single.stdout.strip() == "[0]"
+    out = subprocess.run([sys.executable, "-c", RAY_INIT_WITH_VISIBLE], capture_output=True, text=True, timeout=180)
+    assert "Attempting to start raylet with 2 GPU, but CUDA_VISIBLE_DEVICES contains ['0']" in out.stdout, (
+        out.stdout + out.stderr[-2000:]
+    )
 
 
 def test_assets_build_for_sglang_and_megatron(tmp_path: Path) -> None:

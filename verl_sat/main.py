@@ -34,6 +34,7 @@ from verl_sat.trainer.recipe import (
     SATRecipeConfig,
     apply_actor,
     apply_lag,
+    apply_megatron_betas,
     apply_routing_replay,
     apply_strategy,
     gate_starvation_warning,
@@ -67,6 +68,7 @@ def apply_recipe(cfg: DictConfig, sat: SATRecipeConfig) -> None:
             f"[verl-sat] sat.strategy={sat.strategy}: actor and reference on verl's {sat.strategy} engine"
             + (f" (dropped, FSDP-only: {', '.join(fsdp_only)})" if dropped else "")
         )
+    apply_megatron_betas(cfg)  # verl's Megatron engine ignores optim.betas (verl_sat.trainer.recipe)
     apply_lag(cfg, sat.lag)
     apply_actor(cfg, sat.actor)
     apply_routing_replay(cfg, sat.routing_replay)

@@ -13,6 +13,10 @@ import verl_sat.verl_fixes
 verl_sat.verl_fixes.install()
 
 import verl_sat.sat.losses  # noqa: E402, F401  (registers "sat" and "sat_gspo")
+import verl_sat.trainer.supervisor  # noqa: E402
+
+# A dead SGLang server, scheduler or detokenizer ends the job (exit 4), as a vLLM or HF one does.
+verl_sat.trainer.supervisor.watch_sglang_servers()
 
 
 def _register_cpu_and_rollout() -> None:

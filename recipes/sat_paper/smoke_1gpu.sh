@@ -10,19 +10,22 @@
 #
 # Stages, each printing "[smoke] PASS|FAIL <stage> (<s> s)" and recorded in
 # ${RUN_DIR}/smoke_summary.json (logs in ${RUN_DIR}/stages/); the first failure stops the script
-# and repeats its command's last lines (verl_sat/preflight/stages.py):
-#   env         torch.cuda.device_count() under the CUDA_VISIBLE_DEVICES the launches use, two Ray
-#               GPU slots on the one GPU, imports of sglang, megatron-core, the bridge verl imports
-#               and TransformerEngine (verl_sat/preflight/gpu_env.py)
+# and repeats its command's last lines (verl_sat/preflight/stages.py). Each stage has a timeout
+# (TIMEOUT_<STAGE> seconds, defaults below); one that runs out is ended with its process group
+# and prints "[smoke] FAIL <stage> (timeout after N s)":
+#   env         torch.cuda.device_count() in the launches' driver environment, two Ray GPU slots
+#               on the one GPU as each Ray worker parses them, imports of sglang, megatron-core,
+#               the bridge verl imports and TransformerEngine (verl_sat/preflight/gpu_env.py)
 #   assets      the tiny model and task (once per ASSETS_DIR)
 #   no_offload  1 global step with the optimizer on the GPU (${RUN_DIR}/no_offload)
 #   offload     2 global steps with the recipe's CPU-offloaded optimizer, a checkpoint after each
 #   resume      a second invocation in the same run directory: resumes at step 2, trains step 3
 #   check       the run directory (verl_sat/default/smoke.py check)
 #
-# One GPU, two Ray "GPU" slots (trainer + standalone rollout): the env stage tries
-# CUDA_VISIBLE_DEVICES=<gpu>,<gpu> first and falls back to one device with both slots mapped onto
-# it through ray_kwargs.ray_init.runtime_env (gpu_env.py says how); the launches use what passed.
+# One GPU, two Ray "GPU" slots (trainer + standalone rollout): the driver runs with
+# CUDA_VISIBLE_DEVICES unset, ray_init.num_gpus=2, and every Ray worker gets
+# CUDA_VISIBLE_DEVICES=<gpu> through ray_kwargs.ray_init.runtime_env (gpu_env.py says why, and
+# which other ways fail); the env stage checks it on this node before any launch.
 # Weights go trainer -> SGLang through verl-sat's ray_object_store engine, because NCCL refuses two
 # ranks on one device. Needs verl with its megatron and sglang extras (docs/reproduce.md).
 set -euo pipefail
@@ -40,18 +43,26 @@ STEPS=2
 RESUMED_STEPS=1
 SUMMARY=${RUN_DIR}/smoke_summary.json
 export CUDA_DEVICE_MAX_CONNECTIONS=1
-# Two Ray GPU slots on one GPU; the env stage replaces these with the mode that passed.
-SLOT_MODE=repeat
-SLOT_CUDA_VISIBLE_DEVICES=${GPU},${GPU}
-SLOT_OVERRIDES=(+ray_kwargs.ray_init.num_gpus=2)
+# Two Ray GPU slots on one GPU; the env stage writes the mode that passed (gpu_env.py slots_file).
+SLOT_MODE=runtime_env
+SLOT_OVERRIDES=(+ray_kwargs.ray_init.num_gpus=2 "+ray_kwargs.ray_init.runtime_env.env_vars.CUDA_VISIBLE_DEVICES='${GPU}'")
+# Seconds each stage may take before it is ended as FAIL (one H200; generous: the first launch
+# compiles kernels and captures CUDA graphs).
+TIMEOUT_ENV=${TIMEOUT_ENV:-600}
+TIMEOUT_ASSETS=${TIMEOUT_ASSETS:-600}
+TIMEOUT_NO_OFFLOAD=${TIMEOUT_NO_OFFLOAD:-1200}
+TIMEOUT_OFFLOAD=${TIMEOUT_OFFLOAD:-1800}
+TIMEOUT_RESUME=${TIMEOUT_RESUME:-1200}
+TIMEOUT_CHECK=${TIMEOUT_CHECK:-120}
 
-# One stage: its command through the stage runner (DRY_RUN: the command only).
+# One stage: its command through the stage runner, with the stage's timeout (DRY_RUN: the command only).
 stage() {
+    local limit_var="TIMEOUT_${1^^}"
     if [[ -n ${DRY_RUN:-} ]]; then
         echo "${@:2}"
     else
-        "${PYTHON}" "${REPO_ROOT}/verl_sat/preflight/stages.py" --summary "${SUMMARY}" --name "$1" -- "${@:2}" ||
-            exit 1
+        "${PYTHON}" "${REPO_ROOT}/verl_sat/preflight/stages.py" --summary "${SUMMARY}" --name "$1" \
+            --timeout "${!limit_var}" -- "${@:2}" || exit 1
     fi
 }
 
@@ -100,12 +111,13 @@ launch() {
 [[ -n ${DRY_RUN:-} || ! -e ${RUN_DIR}/metrics.jsonl ]] || { echo "${RUN_DIR} already holds a run; set RUN_DIR=" >&2; exit 1; }
 [[ -n ${DRY_RUN:-} ]] || mkdir -p "${RUN_DIR}"
 
+# The driver sees every GPU; the Ray workers see GPU ${GPU} only (SLOT_OVERRIDES' runtime env).
+unset CUDA_VISIBLE_DEVICES
 stage env "${PYTHON}" "${REPO_ROOT}/verl_sat/preflight/gpu_env.py" --gpu "${GPU}" --bridge "${BRIDGE}" \
     --slots-file "${RUN_DIR}/gpu_slots.sh" --json "${RUN_DIR}/gpu_env.json"
 # shellcheck source=/dev/null
 [[ -n ${DRY_RUN:-} ]] || source "${RUN_DIR}/gpu_slots.sh"
-export CUDA_VISIBLE_DEVICES=${SLOT_CUDA_VISIBLE_DEVICES}
-echo "[smoke] two Ray GPU slots on GPU ${GPU}: mode ${SLOT_MODE} (CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES})" >&2
+echo "[smoke] two Ray GPU slots on GPU ${GPU}: mode ${SLOT_MODE} (${SLOT_OVERRIDES[*]})" >&2
 
 [[ -n ${DRY_RUN:-} || -f ${ASSETS_DIR}/model/config.json ]] ||
     stage assets "${PYTHON}" -m verl_sat.default.smoke build --out "${ASSETS_DIR}"

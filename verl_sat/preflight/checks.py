@@ -37,9 +37,11 @@ from verl_sat.preflight.facts import (
     rollout_buffer_bytes,
     rollout_pool_gpus,
     rollout_replica_gpus,
+    snapshot_bytes,
     trainer_gpu_bytes,
     trainer_gpus,
     uses_r3,
+    warmup_prompts,
 )
 
 
@@ -234,7 +236,8 @@ def check_r3_padding(cfg: DictConfig) -> list[Finding]:
 
 
 def check_routing_replay(cfg: DictConfig, facts: Facts) -> list[Finding]:
-    """R3 on: remove-padding on (Megatron), SGLang's ServerArgs accepts ``enable_return_routed_experts``."""
+    """R3 on: remove-padding on (Megatron), SGLang's ServerArgs accepts ``enable_return_routed_experts``,
+    and the installed SGLang's routes format is the one verl-sat decodes (``check_routes_format``)."""
     padding = check_r3_padding(cfg)
     if not uses_r3(cfg) or str(get(cfg, f"{ROLLOUT}.name", "")) != "sglang":
         return padding
@@ -257,7 +260,30 @@ def check_routing_replay(cfg: DictConfig, facts: Facts) -> list[Finding]:
                 f"routed experts); install sglang=={facts.sglang_pin or SGLANG_FOR_VERL} or turn R3 off",
             )
         ]
-    return padding
+    return padding + check_routes_format(facts)
+
+
+def check_routes_format(facts: Facts) -> list[Finding]:
+    """The installed SGLang is one whose ``routed_experts`` wire format verl-sat's decoder was read
+    against (``verl_sat.verl_fixes.SGLANG_ROUTES_FORMAT_VERSIONS``: base64 of int32
+    ``[tokens, layers, top_k]``); another release warns, naming both."""
+    from verl_sat.verl_fixes import SGLANG_ROUTES_FORMAT_VERSIONS  # numpy and wrapt: not at import time
+
+    installed = facts.versions.get("sglang")
+    if installed in SGLANG_ROUTES_FORMAT_VERSIONS:
+        return []
+    known = ", ".join(SGLANG_ROUTES_FORMAT_VERSIONS)
+    return [
+        Finding(
+            "routing_replay",
+            f"{ROLLOUT}.enable_rollout_routing_replay",
+            f"R3 decodes SGLang's meta_info['routed_experts'] in the format of sglang {known} (base64 of int32 "
+            f"[tokens, layers, top_k]); sglang {installed or 'of unknown version'} is installed, whose format "
+            f"verl-sat has not read: a different one fails the first R3 request with the decoder's error "
+            f"(install sglang=={SGLANG_ROUTES_FORMAT_VERSIONS[-1]} to be sure)",
+            level="warn",
+        )
+    ]
 
 
 def cupy_cuda_major(distribution: str) -> str | None:
@@ -506,7 +532,8 @@ def check_host_memory(cfg: DictConfig, facts: Facts) -> list[Finding]:
         parts.append(f"offloaded optimizer {params / 1e9:.1f}e9 params × {fraction} × {per} B = {gib(optimizer)}")
     if buffer:
         parts.append(
-            f"rollout buffer {buffer['samples']} samples (data.train_batch_size + warm-up, × rollout.n) × "
+            f"rollout buffer {buffer['samples']} samples (data.train_batch_size + {warmup_prompts(cfg)} warm-up "
+            f"prompts, × rollout.n) × "
             f"{buffer['per_sample'] / 2**20:.1f} MiB at full length = {gib(held)}, of which R3's routes "
             f"{gib(buffer['routes'])}"
         )
@@ -525,7 +552,9 @@ def check_host_memory(cfg: DictConfig, facts: Facts) -> list[Finding]:
 
 
 def check_disk(cfg: DictConfig, facts: Facts) -> list[Finding]:
-    """Free disk at ``trainer.default_local_dir`` >= kept checkpoints × ``checkpoint_bytes``."""
+    """Free disk at ``trainer.default_local_dir`` >= kept checkpoints × (``checkpoint_bytes`` + the
+    TransferQueue snapshot verl saves with each in the async modes, ``snapshot_bytes``); verl-sat
+    prunes a snapshot with its actor checkpoint, so as many are kept (``trainer.faults.prune_snapshots``)."""
     params = param_count(facts)
     kept = kept_checkpoints(cfg)
     if facts.disk_free_bytes is None or kept == 0:
@@ -533,18 +562,37 @@ def check_disk(cfg: DictConfig, facts: Facts) -> list[Finding]:
     if params is None:
         return [unknown_size("disk")]
     size = checkpoint_bytes(cfg, params)
-    if facts.disk_free_bytes < kept * size:
-        return [
+    snapshot = snapshot_bytes(cfg, facts.model.config)
+    out = []
+    if snapshot is None:
+        out.append(
             Finding(
                 "disk",
-                "trainer.max_actor_ckpt_to_keep",
-                f"{kept} kept checkpoints × {gib(size)} (params × (model dtype + Adam bytes)) = {gib(kept * size)}, "
-                f"but {gib(facts.disk_free_bytes)} free at trainer.default_local_dir="
-                f"{get(cfg, 'trainer.default_local_dir')}; free disk, point sat.run_dir elsewhere or lower "
-                "trainer.max_actor_ckpt_to_keep",
+                "actor_rollout_ref.model.path",
+                "TransferQueue snapshots not estimated: config.json has no num_hidden_layers / num_experts_per_tok",
+                level="warn",
             )
-        ]
-    return []
+        )
+    snap = snapshot["total"] if snapshot else 0
+    if facts.disk_free_bytes >= kept * (size + snap):
+        return out
+    what = f"{gib(size)} actor (params × (model dtype + Adam bytes))"
+    if snap:
+        routes = ", R3's routes included" if uses_r3(cfg) else ""
+        what = (
+            f"({what} + {gib(snap)} TransferQueue snapshot: {snapshot['samples']} samples at full length"  # type: ignore[index]
+            f"{routes}, with the trained batch's write-backs)"
+        )
+    return out + [
+        Finding(
+            "disk",
+            "trainer.max_actor_ckpt_to_keep",
+            f"{kept} kept checkpoints × {what} = {gib(kept * (size + snap))}, "
+            f"but {gib(facts.disk_free_bytes)} free at trainer.default_local_dir="
+            f"{get(cfg, 'trainer.default_local_dir')}; free disk, point sat.run_dir elsewhere or lower "
+            "trainer.max_actor_ckpt_to_keep",
+        )
+    ]
 
 
 def check_data(cfg: DictConfig, facts: Facts) -> list[Finding]:

@@ -21,13 +21,20 @@ from verl_sat.preflight.probe import probe
 # ---------------------------------------------------------------------------------------------
 def resolve_cell(method: str, lag: int, overrides: Sequence[str] = (), run_dir: str | None = None) -> DictConfig:
     """The cell's config as ``verl_sat.main`` hands it to verl: composed by ``verl_sat.paper.grid``,
-    ``sat.*`` mapped by ``verl_sat.trainer.recipe`` (lag, actor, routing replay), then resolved."""
+    ``sat.*`` mapped by ``verl_sat.trainer.recipe`` (Megatron's betas, lag, actor, routing replay), then resolved."""
     from verl_sat.paper.grid import compose_cell
-    from verl_sat.trainer.recipe import SATRecipeConfig, apply_actor, apply_lag, apply_routing_replay
+    from verl_sat.trainer.recipe import (
+        SATRecipeConfig,
+        apply_actor,
+        apply_lag,
+        apply_megatron_betas,
+        apply_routing_replay,
+    )
 
     extra = ([f"sat.run_dir={run_dir}"] if run_dir else []) + list(overrides)
     cfg = compose_cell(method, lag, overrides=extra)
     sat = SATRecipeConfig.from_node(cfg.get("sat"))
+    apply_megatron_betas(cfg)
     apply_lag(cfg, sat.lag)
     apply_actor(cfg, sat.actor)
     apply_routing_replay(cfg, sat.routing_replay)

@@ -1,7 +1,7 @@
 """The preflight's facts and estimates (docs/reproduce.md): what the probe gathers about the node
 (``Facts``, ``GPU``, ``ModelFacts``), one result line (``Finding``), and the config helpers and
 estimates the checks share (``param_count``, ``host_optimizer_bytes``, ``rollout_buffer_bytes``,
-``checkpoint_bytes``, ``bridge_module``, ...).
+``warmup_prompts``, ``checkpoint_bytes``, ``snapshot_bytes``, ``bridge_module``, ...).
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf, open_dict
 
 # verl-sat is built on exactly this verl (pyproject.toml pins it).
 VERL_VERSION = "0.9.1"
@@ -58,10 +58,13 @@ CHECKED_REQUIREMENTS = {
 }
 # What TransferQueue holds per sample of the rollout buffer (verl's agent_loop_tq puts
 # AgentLoopOutput.as_dict() unpadded): int64 input_ids, prompts + responses and position_ids over
-# the whole sequence; int64 response_mask and loss_mask and fp32 rollout_log_probs over the
-# response. R3 adds routed_experts: int16 [sequence, layers, top-k].
+# the whole sequence; int64 response_mask and loss_mask, fp32 rollout_log_probs and rm_scores
+# over the response. R3 adds routed_experts: int16 [sequence, layers, top-k].
 BUFFER_BYTES_PER_TOKEN = 3 * 8
-BUFFER_BYTES_PER_RESPONSE_TOKEN = 2 * 8 + 4
+BUFFER_BYTES_PER_RESPONSE_TOKEN = 2 * 8 + 2 * 4
+# What verl's step writes back onto the batch it trains, fp32 over the response, before the save
+# (trainer_base.py's fit: step -> _save_checkpoint -> kv_clear of the step's batch).
+WRITEBACK_BYTES_PER_RESPONSE_TOKEN = 4
 ROUTE_ID_BYTES = 2
 DTYPE_BYTES = {"bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2, "half": 2, "float32": 4, "fp32": 4, "fp8": 1}
 GIB = 1024**3
@@ -266,18 +269,78 @@ def host_optimizer_bytes(cfg: DictConfig, params: int) -> int:
     return int(params * fraction * adam_bytes_per_param(cfg, with_grad=hybrid))
 
 
+def base_mode(cfg: DictConfig) -> str:
+    """verl's trainer mode (``trainer.v1.trainer_mode`` without verl-sat's ``sat_`` prefix)."""
+    return str(get(cfg, "trainer.v1.trainer_mode", "sync")).removeprefix("sat_")
+
+
+def verl_gen_batch_size(cfg: DictConfig) -> int:
+    """``data.gen_batch_size`` as verl's trainer runs with it (prompts per dataloader fetch).
+
+    verl 0.9.1's ``PPOTrainer._init_dataloader`` (``verl/trainer/ppo/v1/trainer_base.py``) rewrites
+    the key to 1 ("exact refill counts require single-prompt dataloader fetches") when the mode is
+    not ``sync``, ``algorithm.filter_groups.enable`` is set or
+    ``trainer.v1.sampler.sync_refill_failed_groups`` is; otherwise it is the key, or
+    ``data.train_batch_size`` when unset. verl has no function for it outside ``_init_dataloader``
+    (which builds the datasets), so these are the keys it reads, in its order;
+    tests/test_preflight_on_cpu.py runs ``_init_dataloader`` itself on the composed cells to agree.
+    """
+    exact_refill = (
+        base_mode(cfg) != "sync"
+        or bool(get(cfg, "algorithm.filter_groups.enable", False))
+        or bool(get(cfg, "trainer.v1.sampler.sync_refill_failed_groups", False))
+    )
+    if exact_refill:
+        return 1
+    return int(get(cfg, "data.gen_batch_size", 0) or get(cfg, "data.train_batch_size", 0))
+
+
+def warmup_prompts(cfg: DictConfig) -> int:
+    """Prompts verl issues ahead of the first global step, counted by verl's own code.
+
+    The trainer class verl registers for the mode (``get_trainer_cls``; verl-sat's ``sat_`` classes
+    leave ``on_train_begin`` to it) runs its ``on_train_begin`` on a stand-in: the config with
+    ``data.gen_batch_size`` as ``_init_dataloader`` sets it (``verl_gen_batch_size``), nothing
+    restored from a checkpoint (a resume tops the restored groups up to the same number), and
+    ``_add_prompts_to_generate`` counting prompts instead of fetching them. In the async modes
+    that is ``_add_async_warmup_batches``: floor(num_warmup_batches × train_batch_size /
+    gen_batch_size) × gen_batch_size with gen_batch_size = 1, i.e. 256 prompts at lag 1
+    (1 × 256) and at lag 8 (0.125 × 2048); ``sync`` has none.
+    """
+    import copy
+    import logging
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # verl's optional engines warn when they are absent
+        from verl.trainer.ppo.v1 import trainer_base
+
+    config = copy.deepcopy(cfg)
+    with open_dict(config):
+        OmegaConf.update(config, "data.gen_batch_size", verl_gen_batch_size(cfg), force_add=True)
+    trainer = object.__new__(trainer_base.get_trainer_cls(base_mode(cfg)))
+    issued: list[int] = []
+    trainer.config = config
+    trainer._restored_tq_prompt_count = 0
+    trainer._add_prompts_to_generate = lambda n: issued.append(int(n)) or int(n)
+    log = logging.getLogger(trainer_base.__name__)
+    level = log.level
+    log.setLevel(logging.WARNING)  # its "Added N warmup prompts" line is the trainer's, not the preflight's
+    try:
+        trainer.on_train_begin()
+    finally:
+        log.setLevel(level)
+    return sum(issued)
+
+
 def buffered_prompts(cfg: DictConfig) -> int:
     """Prompt groups TransferQueue holds at once: the global step's ``data.train_batch_size`` plus
-    the warm-up window verl keeps in flight ahead of it, computed as verl's
-    ``_add_async_warmup_batches`` does: floor(num_warmup_batches × train_batch_size /
-    gen_batch_size) × gen_batch_size (gen_batch_size defaults to train_batch_size). Groups are
-    cleared (``kv_clear``) after the step that trains on them."""
+    the warm-up window verl keeps in flight ahead of it (``warmup_prompts``). A step's groups are
+    cleared (``kv_clear``) after the step and its checkpoint, so a snapshot holds as many."""
     batch = int(get(cfg, "data.train_batch_size", 0))
     if batch <= 0:
         return 0
-    gen = int(get(cfg, "data.gen_batch_size", 0) or batch)
-    warmup = float(get(cfg, "trainer.v1.separate_async.num_warmup_batches", 0) or 0)
-    return batch + math.floor(warmup * batch / gen) * gen if warmup > 0 else batch
+    return batch + warmup_prompts(cfg)
 
 
 def route_bytes_per_token(cfg: DictConfig, config: dict[str, Any] | None) -> int | None:
@@ -298,7 +361,7 @@ def rollout_buffer_bytes(cfg: DictConfig, config: dict[str, Any] | None) -> dict
 
     samples   = buffered_prompts × rollout.n
     sequence  = data.max_prompt_length + data.max_response_length
-    per sample = sequence × (24 + route bytes per token) + max_response_length × 20
+    per sample = sequence × (24 + route bytes per token) + max_response_length × 24
     with route bytes per token = num_hidden_layers × num_experts_per_tok × 2 under R3 (verl
     stores routed_experts as int16 over the whole sequence), 0 otherwise. None when R3 is on and
     config.json's layers / top-k are unknown. Returns samples, per_sample, routes (all samples'
@@ -319,6 +382,59 @@ def rollout_buffer_bytes(cfg: DictConfig, config: dict[str, Any] | None) -> dict
     }
 
 
+def step_writeback_fields(cfg: DictConfig) -> tuple[str, ...]:
+    """The fields verl's step writes into TransferQueue for the batch it trains (fp32, over the
+    response; ``verl/trainer/ppo/v1/trainer_base.py``): ``old_log_probs`` (bypass mode: a copy of
+    ``rollout_log_probs``; else recomputed, with ``entropy``), ``ref_log_prob`` when verl's
+    ``need_reference_policy``, ``values`` when ``need_critic``, then ``advantages`` and ``returns``,
+    ``token_level_rewards`` with ``algorithm.use_kl_in_reward`` and ``rollout_is_weights`` with
+    decoupled rollout correction (``rollout_is`` set, bypass off)."""
+    import warnings
+
+    from verl.trainer.ppo.utils import need_critic, need_reference_policy
+
+    bypass = bool(get(cfg, "algorithm.rollout_correction.bypass_mode", False))
+    fields = ["old_log_probs"] + ([] if bypass else ["entropy"])
+    if need_reference_policy(cfg):
+        fields.append("ref_log_prob")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # need_critic warns that GRPO needs none
+        if need_critic(cfg):
+            fields.append("values")
+    fields += ["advantages", "returns"]
+    if bool(get(cfg, "algorithm.use_kl_in_reward", False)):
+        fields.append("token_level_rewards")
+    if not bypass and get(cfg, "algorithm.rollout_correction.rollout_is") is not None:
+        fields.append("rollout_is_weights")
+    return tuple(fields)
+
+
+def snapshot_bytes(cfg: DictConfig, config: dict[str, Any] | None) -> dict[str, int] | None:
+    """One TransferQueue snapshot, ``global_step_k/transfer_queue``, at its largest.
+
+    verl's ``_save_checkpoint`` pickles the whole queue (``tq.save_checkpoint``) in the async modes,
+    after the step trained and before its batch is cleared, so the snapshot holds the rollout
+    buffer at its largest (``rollout_buffer_bytes``: the step's batch plus the warm-up window,
+    × rollout.n, R3's routes included) and, on the step's ``train_batch_size × rollout.n``
+    samples, what the step wrote back (``step_writeback_fields``, 4 B a response token each).
+    Zero in ``sync`` (verl saves no snapshot); None when R3's routes are unknown.
+    """
+    if base_mode(cfg) == "sync":
+        return {"samples": 0, "buffer": 0, "writeback": 0, "total": 0}
+    buffer = rollout_buffer_bytes(cfg, config)
+    if buffer is None:
+        return None
+    trained = int(get(cfg, "data.train_batch_size", 0)) * int(get(cfg, f"{ROLLOUT}.n", 1))
+    response = int(get(cfg, "data.max_response_length", 0))
+    writeback = trained * response * WRITEBACK_BYTES_PER_RESPONSE_TOKEN * len(step_writeback_fields(cfg))
+    return {
+        "samples": buffer["samples"],
+        "buffer": buffer["total"],
+        "writeback": writeback,
+        "total": buffer["total"] + writeback,
+    }
+
+
 def checkpoint_bytes(cfg: DictConfig, params: int) -> int:
     """One checkpoint: model (params × model dtype) + optimizer (params × Adam bytes, no grad) +
     hf_model (params × model dtype), for what ``actor.checkpoint.save_contents`` lists."""
@@ -330,7 +446,8 @@ def checkpoint_bytes(cfg: DictConfig, params: int) -> int:
 
 
 def kept_checkpoints(cfg: DictConfig) -> int:
-    """``trainer.max_actor_ckpt_to_keep``, or every save of the run when it is unset (null/<= 0)."""
+    """``trainer.max_actor_ckpt_to_keep``, or every save of the run when it is unset (null/<= 0).
+    TransferQueue snapshots are kept as many (``verl_sat.trainer.faults.prune_snapshots``)."""
     save_freq = int(get(cfg, "trainer.save_freq", -1))
     if save_freq <= 0:
         return 0

@@ -1,23 +1,36 @@
 """The 1-GPU smoke's environment probe (docs/reproduce.md; recipes/sat_paper/smoke_1gpu.sh, stage ``env``).
 
 The smoke puts a trainer and a standalone SGLang server on ONE GPU, so Ray must offer two "GPU"
-slots that both land on it. Two ways, tried in this order (``SLOT_MODES``):
+slots that both land on it, and every process (driver, GPU workers, the SGLang server Ray starts
+without a GPU) must see that GPU through ``CUDA_VISIBLE_DEVICES``. One way works
+(``SLOT_MODES``), checked on CPU against torch's own parser and a real ``ray.init``
+(tests/test_smoke_1gpu_on_cpu.py):
 
-- ``repeat``: ``CUDA_VISIBLE_DEVICES=G,G`` and ``ray_init.num_gpus=2``. Ray hands each slot one
-  entry of that list, so each worker sees ``CUDA_VISIBLE_DEVICES=G``. Unproven: some drivers (and
-  torch's NVML count) treat a repeated ordinal as invalid.
-- ``runtime_env``: ``CUDA_VISIBLE_DEVICES=G``, ``ray_init.num_gpus=2`` and, through
-  ``ray_kwargs.ray_init.runtime_env.env_vars`` (merged into every worker's environment),
-  ``CUDA_VISIBLE_DEVICES=G`` with ``RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES=1`` so that Ray
-  does not rewrite it. verl's workers then select ``cuda:<Ray's GPU id>`` (worker.py), which the
-  probe does too.
+- ``runtime_env``: the driver runs with ``CUDA_VISIBLE_DEVICES`` unset, ``ray_init.num_gpus=2``
+  declares two GPU slots, and ``ray_kwargs.ray_init.runtime_env.env_vars.CUDA_VISIBLE_DEVICES=G``
+  sets the variable in every Ray worker. Ray 2.60 keeps a job's runtime-env value in the workers
+  it gives a GPU slot (and reports their accelerator id as G), so both slots and the no-GPU actors
+  see ``G``; torch parses ``[G]`` and verl's worker (``LOCAL_RANK`` 0) selects ``cuda:0``, which is
+  GPU G. verl's SGLang replica reads the same value from its worker (``base_gpu_id`` 0).
 
-Each mode is probed as the launch would use it: ``torch.cuda.device_count()`` under the exact
-``CUDA_VISIBLE_DEVICES``, then a Ray cluster with two one-GPU actors that each allocate a tensor
-on the device verl would pick. The probe also imports sglang, megatron-core, the bridge verl's
+Dropped, each for a failure the CPU tests reproduce with the real library:
+
+- ``repeat`` (``CUDA_VISIBLE_DEVICES=G,G``): torch's ``_parse_visible_devices()`` rejects a
+  repeated ordinal and returns ``[]``, so the driver and every process Ray starts without a GPU
+  see no device.
+- the driver's ``CUDA_VISIBLE_DEVICES=G`` with ``num_gpus=2``: ``ray.init`` raises ``ValueError:
+  Attempting to start raylet with 2 GPU, but CUDA_VISIBLE_DEVICES contains ['G']``.
+- fractional GPUs or a custom resource: verl places every worker in a bundle of one whole
+  ``GPU`` (``RayResourcePool.get_placement_groups``) and ``ResourcePoolManager`` checks the pools
+  against Ray's ``GPU`` count, so neither is a configuration verl accepts.
+
+Each mode is probed as the launch uses it, in a child process with the driver's environment:
+``torch.cuda.device_count()`` there, then a Ray cluster with two one-GPU actors and one actor
+without a GPU that each report ``CUDA_VISIBLE_DEVICES``, torch's parse of it and Ray's id, and on
+CUDA allocate on ``cuda:0``. The probe also imports sglang, megatron-core, the bridge verl's
 Megatron engine imports and TransformerEngine. It prints one PASS/FAIL line per item, writes a
-JSON report and a bash file of the chosen mode (``SLOT_MODE``, ``SLOT_CUDA_VISIBLE_DEVICES``,
-``SLOT_OVERRIDES``) that the smoke sources; exit 1 when an import fails or no mode works.
+JSON report and a bash file of the chosen mode (``SLOT_MODE``, ``SLOT_OVERRIDES``) that the smoke
+sources; exit 1 when an import fails or no mode works.
 
 Runs by path (``python verl_sat/preflight/gpu_env.py ...``): torch, ray and the probed packages
 are imported inside the functions only.
@@ -34,41 +47,34 @@ import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-SLOT_MODES = ("repeat", "runtime_env")
-NOSET = "RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES"
+SLOT_MODES = ("runtime_env",)
 # (label, module) imported by the probe; the bridge is added by --bridge.
 IMPORTS = (
     ("sglang", "sglang"),
     ("megatron-core", "megatron.core"),
     ("TransformerEngine", "transformer_engine.pytorch"),
 )
+# GPU slots Ray offers: the trainer's and the standalone rollout's.
+SLOTS = 2
 
 
-def visible_devices(mode: str, gpu: str) -> str:
-    """The launch's ``CUDA_VISIBLE_DEVICES`` in ``mode``."""
+def check_mode(mode: str) -> None:
     if mode not in SLOT_MODES:
         raise ValueError(f"slot mode must be one of {list(SLOT_MODES)}, got {mode!r}")
-    return f"{gpu},{gpu}" if mode == "repeat" else gpu
 
 
 def slot_overrides(mode: str, gpu: str) -> list[str]:
-    """The Hydra overrides that give verl two Ray GPU slots on GPU ``gpu`` in ``mode``."""
-    visible_devices(mode, gpu)  # validates the mode
-    overrides = ["+ray_kwargs.ray_init.num_gpus=2"]
-    if mode == "runtime_env":
-        env = "+ray_kwargs.ray_init.runtime_env.env_vars"
-        overrides += [f"{env}.CUDA_VISIBLE_DEVICES='{gpu}'", f"{env}.{NOSET}='1'"]
-    return overrides
+    """The Hydra overrides that give verl two Ray GPU slots on GPU ``gpu`` in ``mode`` (the driver
+    runs with ``CUDA_VISIBLE_DEVICES`` unset)."""
+    check_mode(mode)
+    env = "+ray_kwargs.ray_init.runtime_env.env_vars"
+    return [f"+ray_kwargs.ray_init.num_gpus={SLOTS}", f"{env}.CUDA_VISIBLE_DEVICES='{gpu}'"]
 
 
 def slots_file(mode: str, gpu: str) -> str:
     """The bash lines the smoke sources after the probe."""
     overrides = " ".join(shlex.quote(o) for o in slot_overrides(mode, gpu))
-    return (
-        f"SLOT_MODE={mode}\n"
-        f"SLOT_CUDA_VISIBLE_DEVICES={shlex.quote(visible_devices(mode, gpu))}\n"
-        f"SLOT_OVERRIDES=({overrides})\n"
-    )
+    return f"SLOT_MODE={mode}\nSLOT_OVERRIDES=({overrides})\n"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -106,40 +112,79 @@ def probe_torch_devices() -> dict:
     return {**report, "ok": count >= 1}
 
 
-def probe_ray_slots(mode: str, gpu: str) -> dict:
-    """Two one-GPU Ray actors as verl places them; each allocates on the device verl selects."""
+def expected_devices(gpu: str) -> list:
+    """What torch's parser makes of ``CUDA_VISIBLE_DEVICES=gpu`` (one entry: the GPU)."""
+    import torch
+
+    previous = os.environ.get("CUDA_VISIBLE_DEVICES")
+    os.environ["CUDA_VISIBLE_DEVICES"] = gpu
+    try:
+        return list(torch.cuda._parse_visible_devices())
+    finally:
+        if previous is None:
+            del os.environ["CUDA_VISIBLE_DEVICES"]
+        else:
+            os.environ["CUDA_VISIBLE_DEVICES"] = previous
+
+
+def slot_report() -> dict:
+    """What one Ray worker sees: ``CUDA_VISIBLE_DEVICES``, torch's parse of it, Ray's GPU ids, and
+    with CUDA a tensor on ``cuda:0`` (verl's worker selects ``LOCAL_RANK`` 0)."""
+    import ray
+    import torch
+
+    out = {
+        "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
+        "torch_parse": list(torch.cuda._parse_visible_devices()),
+        "ray_gpu_ids": list(ray.get_runtime_context().get_accelerator_ids().get("GPU", [])),
+        "cuda": torch.cuda.is_available(),
+    }
+    if out["cuda"]:
+        try:
+            torch.cuda.set_device(0)
+            torch.ones(1, device="cuda:0").sum().item()
+            out["uuid"] = str(torch.cuda.get_device_properties(0).uuid)
+        except Exception as err:  # noqa: BLE001
+            return {**out, "ok": False, "error": f"{type(err).__name__}: {err}"}
+    return {**out, "ok": True}
+
+
+def probe_ray_slots(mode: str, gpu: str, num_cpus: int = 2) -> dict:
+    """A Ray cluster as the launch starts it (``ray.init(num_gpus=2, runtime_env=...)``), two
+    one-GPU actors as verl places its trainer and rollout, one actor without a GPU (the SGLang
+    server, the task runner): each must parse exactly GPU ``gpu``, and on CUDA all land on one device."""
     import ray
 
-    env_vars = {"CUDA_VISIBLE_DEVICES": gpu, NOSET: "1"} if mode == "runtime_env" else {}
-    ray.init(num_gpus=2, num_cpus=2, include_dashboard=False, runtime_env={"env_vars": env_vars})
+    check_mode(mode)
+    expected = expected_devices(gpu)
+    ray.init(
+        num_gpus=SLOTS,
+        num_cpus=num_cpus,
+        include_dashboard=False,
+        runtime_env={"env_vars": {"CUDA_VISIBLE_DEVICES": gpu}},
+    )
     try:
-
-        @ray.remote(num_gpus=1)
-        class Slot:
-            def check(self) -> dict:
-                import torch
-
-                ids = ray.get_runtime_context().get_accelerator_ids().get("GPU", [])
-                out = {"cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"), "ray_gpu_ids": ids}
-                try:
-                    device = int(ids[0]) if os.environ.get(NOSET) and ids else 0  # verl's worker.py
-                    torch.cuda.set_device(device)
-                    torch.ones(1, device=f"cuda:{device}").sum().item()
-                    return {**out, "device": device, "ok": True}
-                except Exception as err:  # noqa: BLE001
-                    return {**out, "ok": False, "error": f"{type(err).__name__}: {err}"}
-
-        slots = [Slot.remote() for _ in range(2)]
-        results = ray.get([s.check.remote() for s in slots], timeout=180)
+        probe = ray.remote(slot_report)
+        refs = [probe.options(num_gpus=1, num_cpus=0).remote() for _ in range(SLOTS)]
+        refs.append(probe.options(num_gpus=0, num_cpus=0).remote())
+        results = ray.get(refs, timeout=180)
     finally:
         ray.shutdown()
-    return {"ok": all(r["ok"] for r in results), "slots": results}
+    for result, role in zip(results, ["gpu slot"] * SLOTS + ["no-gpu actor"], strict=True):
+        result["role"] = role
+        if result["ok"] and result["torch_parse"] != expected:
+            result["ok"] = False
+            result["error"] = f"torch parses {result['torch_parse']}, not {expected}"
+    uuids = {r.get("uuid") for r in results if r.get("uuid")}
+    ok = all(r["ok"] for r in results) and len(uuids) <= 1
+    return {"ok": ok, "expected": expected, "slots": results}
 
 
 def probe_mode(mode: str, gpu: str, runner: Callable[[list[str], dict], dict] | None = None) -> dict:
-    """``probe_torch_devices`` and ``probe_ray_slots`` in a child process under ``mode``'s
-    ``CUDA_VISIBLE_DEVICES`` (CUDA reads it once per process)."""
-    env = dict(os.environ, CUDA_VISIBLE_DEVICES=visible_devices(mode, gpu))
+    """``probe_torch_devices`` and ``probe_ray_slots`` in a child process with the launch's driver
+    environment (``CUDA_VISIBLE_DEVICES`` unset; CUDA reads it once per process)."""
+    check_mode(mode)
+    env = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"}
     command = [sys.executable, str(Path(__file__).resolve()), "--child", mode, "--gpu", gpu]
     return (runner or run_child)(command, env)
 
@@ -154,14 +199,13 @@ def run_child(command: list[str], env: dict) -> dict:
 
 
 def child(mode: str, gpu: str) -> dict:
+    """Both probes, always (a node without CUDA still shows what Ray and torch make of the slots)."""
     torch_report = probe_torch_devices()
-    if not torch_report["ok"]:
-        return {"ok": False, "torch": torch_report}
     try:
         ray_report = probe_ray_slots(mode, gpu)
     except Exception as err:  # noqa: BLE001
         ray_report = {"ok": False, "error": f"{type(err).__name__}: {err}"}
-    return {"ok": ray_report["ok"], "torch": torch_report, "ray": ray_report}
+    return {"ok": torch_report["ok"] and ray_report["ok"], "torch": torch_report, "ray": ray_report}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -181,7 +225,11 @@ def describe(report: dict) -> str:
             f"CUDA_VISIBLE_DEVICES={torch_report.get('cuda_visible_devices')}"
         )
     for slot in report.get("ray", {}).get("slots", []):
-        parts.append(f"slot ids={slot.get('ray_gpu_ids')} -> {'ok' if slot['ok'] else slot.get('error')}")
+        verdict = "ok" if slot["ok"] else slot.get("error")
+        parts.append(
+            f"{slot.get('role', 'slot')} CUDA_VISIBLE_DEVICES={slot.get('cuda_visible_devices')} torch "
+            f"{slot.get('torch_parse')} ray ids={slot.get('ray_gpu_ids')} -> {verdict}"
+        )
     error = report.get("error") or torch_report.get("error") or report.get("ray", {}).get("error")
     return "; ".join(parts + ([error] if error else []))
 

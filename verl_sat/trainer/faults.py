@@ -18,8 +18,12 @@ Guards:
   directory is repaired to the newest complete checkpoint before Ray starts, with a line.
 - ``check_writable``: the run directory and the checkpoint directory are created and probed
   before Ray starts; an error names the key and the path.
-- ``SaveGuardMixin._save_checkpoint``: an ``OSError`` while saving is re-raised with a line naming
+- ``FaultMixin._save_checkpoint``: an ``OSError`` while saving is re-raised with a line naming
   the path and the checkpoint that stays the latest.
+- ``prune_snapshots`` (after each successful save): verl's ``trainer.max_actor_ckpt_to_keep``
+  removes only ``global_step_k/actor``; the TransferQueue snapshot of that step
+  (``global_step_k/transfer_queue``, the whole queue pickled) and the ``data.pt`` left alone in
+  it go too (docs/faults.md#checkpoints-on-disk).
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ import errno
 import json
 import os
 import re
+import shutil
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
@@ -36,6 +41,13 @@ from verl_sat.files import update_run_record
 
 TRACKER = "latest_checkpointed_iteration.txt"
 _STEP_DIR = re.compile(r"^global_step_(\d+)$")
+# verl's PPOTrainer._save_checkpoint: tq.save_checkpoint(global_step_k/transfer_queue); TransferQueue
+# writes <name>.tmp and moves a previous <name> aside to <name>.old while it saves
+# (transfer_queue/interface.py save_checkpoint).
+SNAPSHOT = "transfer_queue"
+SNAPSHOT_PARTS = (SNAPSHOT, SNAPSHOT + ".tmp", SNAPSHOT + ".old")
+# what verl writes into global_step_k besides the actor, critic and snapshot: the dataloader state
+DATALOADER_STATE = "data.pt"
 SENTINEL_RECORD = "sentinel.json"
 # exit status of a job that ran to its end (or was stopped) with the collapse signature standing
 EXIT_COLLAPSED = 3
@@ -164,6 +176,59 @@ def latest_checkpoint(checkpoint_dir: Path, async_mode: bool = True, log: Any = 
     return candidates[-1]
 
 
+def pruned_steps(checkpoint_dir: Path) -> list[int]:
+    """The steps whose checkpoint verl pruned: older than the step the tracker names, and without
+    ``actor/`` (verl's checkpoint manager removes ``global_step_k/actor`` beyond
+    ``trainer.max_actor_ckpt_to_keep``, and nothing else of the step). Empty without a readable
+    tracker: then no checkpoint is known to be superseded."""
+    tracked = read_tracker(checkpoint_dir)
+    if tracked is None:
+        return []
+    folder = Path(checkpoint_dir)
+    return [k for k in checkpoint_steps(folder) if k < tracked and not (folder / f"global_step_{k}" / "actor").exists()]
+
+
+def prune_step(step_dir: Path) -> list[str]:
+    """Remove the TransferQueue snapshot of one pruned step, then the step's directory when only
+    ``data.pt`` is left (a dataloader position without weights resumes nothing). Returns the
+    names removed."""
+    removed = []
+    for name in SNAPSHOT_PARTS:
+        part = step_dir / name
+        if part.is_dir():
+            shutil.rmtree(part)
+            removed.append(name)
+    rest = [p.name for p in step_dir.iterdir()]
+    if set(rest) <= {DATALOADER_STATE}:
+        shutil.rmtree(step_dir)
+        removed += rest + [step_dir.name]
+    return removed
+
+
+def prune_snapshots(checkpoint_dir: Path, log: Any = print) -> list[int]:
+    """After verl's save: prune what verl left of the checkpoints it pruned (``pruned_steps``), so
+    that TransferQueue snapshots are kept as the actor checkpoints are (docs/faults.md#checkpoints-on-disk).
+
+    Never touches the step the tracker names, a newer one (a save in progress), or a step whose
+    ``actor/`` is still there (a checkpoint a resume or a sentinel rollback can use). A removal
+    that fails is a warning line, not an error: the run goes on. Returns the steps pruned.
+    """
+    done = []
+    for step in pruned_steps(checkpoint_dir):
+        step_dir = Path(checkpoint_dir) / f"global_step_{step}"
+        try:
+            removed = prune_step(step_dir)
+        except OSError as exc:
+            log(f"[verl-sat] warning: could not prune {step_dir}: {exc.strerror or exc}")
+            continue
+        if removed:
+            done.append(step)
+    if done:
+        steps = ", ".join(f"global_step_{k}" for k in done)
+        log(f"[verl-sat] checkpoints: removed the TransferQueue snapshot of {steps} (actor pruned by verl)")
+    return done
+
+
 def check_writable(path: Path, key: str) -> None:
     """Create ``path`` and write a probe file in it; an ``OSError`` names the key and the path."""
     path = Path(path)
@@ -211,7 +276,8 @@ class FaultMixin:
 
     def _save_checkpoint(self) -> None:
         """verl's save; an ``OSError`` (a full disk, a read-only mount) stops the run with a line
-        naming the path, and the tracker verl writes last still names the previous checkpoint."""
+        naming the path, and the tracker verl writes last still names the previous checkpoint.
+        After a save that succeeded, the snapshots of the checkpoints verl pruned go (``prune_snapshots``)."""
         folder = Path(str(self.config.trainer.default_local_dir))  # type: ignore[attr-defined]
         step = int(self.global_steps)  # type: ignore[attr-defined]
         try:
@@ -227,6 +293,7 @@ class FaultMixin:
                 flush=True,
             )
             raise
+        prune_snapshots(folder, log=lambda line: print(line, flush=True))
 
     def _enospc_if_asked(self, step: int, folder: Path) -> Any:
         """A context in which verl's ``torch.save`` of ``data.pt`` fails with ENOSPC after writing

@@ -301,6 +301,49 @@ def apply_routing_replay(cfg: DictConfig, mode: str) -> None:
         cfg.actor_rollout_ref.rollout.enable_rollout_routing_replay = mode == "R3"
 
 
+# Megatron's OptimizerConfig fields for Adam's betas (verl's optim.betas never reaches them).
+MEGATRON_BETA_KEYS = ("adam_beta1", "adam_beta2")
+
+
+def apply_megatron_betas(cfg: DictConfig) -> list[str]:
+    """``actor.optim.betas`` onto Megatron's ``adam_beta1`` / ``adam_beta2``; returns the keys filled.
+
+    verl 0.9.1's ``utils/megatron/optimizer.py::init_megatron_optim_config`` builds Megatron's
+    ``OptimizerConfig`` from optimizer, lr, min_lr, clip_grad and weight_decay and then applies
+    ``optim.override_optimizer_config`` key by key; ``optim.betas`` is never read, so Megatron's
+    defaults (0.9, 0.999) train where the config says otherwise (the paper: 0.9, 0.98). For a
+    Megatron actor this fills ``override_optimizer_config.adam_beta1/adam_beta2`` from
+    ``optim.betas``, only where they are unset: a value passed there explicitly wins (and a
+    disagreement with ``optim.betas`` is a warning). Other engines read ``optim.betas`` themselves.
+    """
+    actor = cfg.actor_rollout_ref.actor
+    if str(actor.get("strategy")) != "megatron" or actor.get("optim") is None:
+        return []
+    optim = actor.optim
+    betas = optim.get("betas")
+    if betas is None:
+        return []
+    if len(betas) != 2:
+        raise ValueError(f"actor_rollout_ref.actor.optim.betas must be two numbers, got {list(betas)!r}")
+    key = "actor_rollout_ref.actor.optim.override_optimizer_config"
+    filled = []
+    with open_dict(cfg):
+        if optim.get("override_optimizer_config") is None:
+            optim.override_optimizer_config = {}
+        override = optim.override_optimizer_config
+        for name, beta in zip(MEGATRON_BETA_KEYS, betas, strict=True):
+            if override.get(name) is None:
+                override[name] = float(beta)
+                filled.append(f"{key}.{name}")
+            elif float(override[name]) != float(beta):
+                warnings.warn(
+                    f"{key}.{name}={override[name]} differs from actor_rollout_ref.actor.optim.betas={list(betas)}; "
+                    f"Megatron uses {key}.{name}",
+                    stacklevel=2,
+                )
+    return filled
+
+
 def gate_starvation_warning(cfg: DictConfig) -> str | None:
     """A warning when per-micro-batch q can starve SAT-GSPO's gate (docs/sat.md#the-rule step 2), else None.
 

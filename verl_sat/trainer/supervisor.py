@@ -4,8 +4,10 @@ verl 0.9.1 does not notice a rollout server that dies: each request to it fails,
 buffer evicts the failed group and refills it with a fresh prompt, which fails again, and the
 trainer waits for samples that never come. A trainer worker that dies mid-step surfaces as an
 exception only once verl next calls it. So every HF rollout server, every process of verl's
-vLLM server (``register_vllm_process``, a vLLM plugin) and every verl-sat actor worker registers
-its process id in ``<run_dir>/processes/`` when it starts (``register``), and the driver
+vLLM server (``register_vllm_process``, a vLLM plugin), every process of verl's SGLang server
+(``register_sglang_processes``: the server actor and the scheduler and detokenizer processes it
+starts) and every verl-sat actor worker registers its process id in ``<run_dir>/processes/`` when
+it starts (``register``), and the driver
 (``verl_sat.main``) runs a ``Supervisor`` thread that checks them once a second.
 
 When one is gone, the supervisor prints one error line naming the process, the global step in
@@ -35,15 +37,20 @@ EXIT_PROCESS_DIED = 4
 GRACE_S = 20.0
 
 
-def register(kind: str, name: str) -> None:
-    """Record this process (``kind``: "rollout replica" or "trainer worker") for the supervisor."""
+SGLANG_SERVER_MODULE = "verl.workers.rollout.sglang_rollout.async_sglang_server"
+
+
+def register(kind: str, name: str, pid: int | None = None) -> None:
+    """Record process ``pid`` (this one by default; ``kind``: "rollout replica" or "trainer
+    worker") for the supervisor."""
     run_dir = os.environ.get(RUN_DIR_ENV)
     if not run_dir:
         return
     folder = Path(run_dir) / PROCESSES_DIR
+    pid = os.getpid() if pid is None else int(pid)
     try:
         folder.mkdir(parents=True, exist_ok=True)
-        entry = {"kind": kind, "name": name, "pid": os.getpid(), "host": socket.gethostname(), "since": time.time()}
+        entry = {"kind": kind, "name": name, "pid": pid, "host": socket.gethostname(), "since": time.time()}
         (folder / f"{kind.replace(' ', '_')}_{name}.json").write_text(json.dumps(entry))
     except OSError:
         return
@@ -79,6 +86,45 @@ def register_vllm_process() -> None:
         return
     rank = os.environ["VERL_REPLICA_RANK"]
     register("rollout replica", f"vllm{rank}" if role == "server" else f"vllm{rank}.{role}")
+
+
+def register_sglang_processes(server: Any) -> None:
+    """After verl's ``SGLangHttpServer.launch_server``: register the server actor of replica ``r``
+    (node ``k``) as rollout replica ``sglang<r>`` (``sglang<r>.node<k>``) and every process it has
+    started (SGLang 0.5.12's ``Engine._launch_subprocesses``: the scheduler(s) and the detokenizer,
+    ``multiprocessing`` children of the actor) as ``sglang<r>.<process name>``."""
+    import multiprocessing
+
+    name = f"sglang{server.replica_rank}" + (f".node{server.node_rank}" if int(server.node_rank) else "")
+    register("rollout replica", name)
+    for child in multiprocessing.active_children():
+        register("rollout replica", f"{name}.{child.name}", pid=child.pid)
+
+
+def supervise_sglang_servers(server_module: Any) -> None:
+    """Wrap ``SGLangHttpServer.launch_server`` so that each server registers its processes."""
+    import functools
+
+    server = server_module.SGLangHttpServer
+    original = server.launch_server
+    if getattr(original, "__verl_sat_supervised__", False):
+        return
+
+    @functools.wraps(original)
+    async def launch_server(self: Any, *args: Any, **kwargs: Any) -> Any:
+        result = await original(self, *args, **kwargs)
+        register_sglang_processes(self)
+        return result
+
+    launch_server.__verl_sat_supervised__ = True  # type: ignore[attr-defined]
+    server.launch_server = launch_server
+
+
+def watch_sglang_servers() -> None:
+    """Every platform (the plugin): supervise verl's SGLang servers once verl imports their module."""
+    from verl_sat.hooks import when_imported
+
+    when_imported(SGLANG_SERVER_MODULE, supervise_sglang_servers)
 
 
 def alive(pid: int) -> bool:

@@ -1,0 +1,208 @@
+"""TransferQueue snapshots are pruned with the checkpoints they belong to (verl_sat.trainer.faults,
+docs/faults.md#checkpoints-on-disk).
+
+verl 0.9.1's ``_save_checkpoint`` pickles the whole queue into ``global_step_k/transfer_queue``;
+its ``trainer.max_actor_ckpt_to_keep`` removes only ``global_step_k/actor``. ``prune_snapshots``
+removes the rest of a pruned step, never the tracked one nor one whose actor verl kept. Here: on a
+fake directory tree, through verl's own ``_save_checkpoint`` and checkpoint-manager retention
+(``BaseCheckpointManager.register_checkpoint``), and in one end-to-end CPU run (about 2.5 min).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+from unittest import mock
+
+import pytest
+from omegaconf import OmegaConf
+
+from verl_sat.trainer.faults import (
+    TRACKER,
+    FaultMixin,
+    checkpoint_complete,
+    checkpoint_steps,
+    latest_checkpoint,
+    prune_snapshots,
+    pruned_steps,
+    read_tracker,
+    write_tracker,
+)
+
+
+def step_dir(root: Path, step: int, *parts: str) -> Path:
+    """``global_step_<step>`` holding ``parts``: directories (``actor``, ``transfer_queue``...) or
+    ``data.pt``, each with a file in it."""
+    d = root / f"global_step_{step}"
+    d.mkdir(parents=True, exist_ok=True)
+    for part in parts:
+        if part == "data.pt":
+            (d / part).write_bytes(b"d")
+        else:
+            (d / part).mkdir()
+            (d / part / "state.pkl").write_bytes(b"x")
+    return d
+
+
+def names(d: Path) -> set[str]:
+    return {p.name for p in d.iterdir()}
+
+
+# ---------------------------------------------------------------------------------------------
+# the pruning rule, on a fake tree
+# ---------------------------------------------------------------------------------------------
+def test_only_what_verl_pruned_goes(tmp_path: Path) -> None:
+    step_dir(tmp_path, 1, "data.pt", "transfer_queue")  # actor pruned by verl: all of it goes
+    step_dir(tmp_path, 2, "data.pt", "transfer_queue", "transfer_queue.old", "critic")  # critic kept by verl
+    step_dir(tmp_path, 3, "actor", "data.pt", "transfer_queue")  # kept by verl: untouched
+    step_dir(tmp_path, 4, "actor", "data.pt", "transfer_queue")  # the tracked checkpoint
+    step_dir(tmp_path, 5, "data.pt")  # newer than the tracker: a save in progress, untouched
+    write_tracker(tmp_path, 4)
+    lines: list[str] = []
+    assert pruned_steps(tmp_path) == [1, 2]
+    assert prune_snapshots(tmp_path, log=lines.append) == [1, 2]
+    assert checkpoint_steps(tmp_path) == [2, 3, 4, 5]
+    assert names(tmp_path / "global_step_2") == {"data.pt", "critic"}
+    complete = {"actor", "data.pt", "transfer_queue"}
+    assert names(tmp_path / "global_step_3") == names(tmp_path / "global_step_4") == complete
+    assert names(tmp_path / "global_step_5") == {"data.pt"}
+    (line,) = lines
+    assert "global_step_1, global_step_2" in line and "actor pruned by verl" in line
+    # what a resume or a rollback reads is unchanged
+    assert read_tracker(tmp_path) == 4 and latest_checkpoint(tmp_path, async_mode=True) == 4
+    assert checkpoint_steps(tmp_path, with_actor=True) == [3, 4]
+    # idempotent: a second call finds nothing, and says nothing
+    assert prune_snapshots(tmp_path, log=lines.append) == [] and len(lines) == 1
+
+
+@pytest.mark.parametrize("tracker", [None, "", "4x"], ids=["missing", "empty", "torn"])
+def test_without_a_readable_tracker_nothing_is_pruned(tmp_path: Path, tracker: str | None) -> None:
+    step_dir(tmp_path, 1, "data.pt", "transfer_queue")
+    step_dir(tmp_path, 2, "actor", "data.pt", "transfer_queue")
+    if tracker is not None:
+        (tmp_path / TRACKER).write_text(tracker)
+    assert prune_snapshots(tmp_path, log=pytest.fail) == []
+    assert names(tmp_path / "global_step_1") == {"data.pt", "transfer_queue"}
+
+
+def test_the_tracked_step_is_kept_even_without_its_actor(tmp_path: Path) -> None:
+    # verl's max_ckpt_to_keep=1 removes the previous actor during the next save, before the tracker
+    # moves: a torn save leaves the tracker naming a step without actor; it is never pruned
+    step_dir(tmp_path, 3, "data.pt", "transfer_queue")
+    write_tracker(tmp_path, 3)
+    assert prune_snapshots(tmp_path, log=pytest.fail) == []
+    assert names(tmp_path / "global_step_3") == {"data.pt", "transfer_queue"}
+
+
+def test_a_removal_that_fails_is_a_warning(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    step_dir(tmp_path, 1, "data.pt", "transfer_queue")
+    step_dir(tmp_path, 2, "actor", "data.pt", "transfer_queue")
+    write_tracker(tmp_path, 2)
+
+    def read_only(path: Any, *args: Any, **kwargs: Any) -> None:
+        raise PermissionError(13, "Permission denied", str(path))
+
+    monkeypatch.setattr(shutil, "rmtree", read_only)
+    lines: list[str] = []
+    assert prune_snapshots(tmp_path, log=lines.append) == []
+    assert lines == [f"[verl-sat] warning: could not prune {tmp_path / 'global_step_1'}: Permission denied"]
+
+
+# ---------------------------------------------------------------------------------------------
+# through verl's own _save_checkpoint and verl's own actor retention
+# ---------------------------------------------------------------------------------------------
+class RetainingActor:
+    """The actor worker group as verl's ``_save_checkpoint`` calls it: writes the actor's files,
+    then applies verl's own retention (``BaseCheckpointManager.register_checkpoint``, what the
+    FSDP and Megatron checkpoint managers call after a save)."""
+
+    def __init__(self) -> None:
+        from verl.utils.checkpoint.checkpoint_manager import BaseCheckpointManager
+
+        self.manager = object.__new__(BaseCheckpointManager)
+        self.manager.previous_saved_paths = []
+
+    def save_checkpoint(self, local_path: str, hdfs_path: Any, global_step: int, max_ckpt_to_keep: Any) -> None:
+        Path(local_path).mkdir(parents=True, exist_ok=True)
+        (Path(local_path) / "model.pt").write_bytes(b"weights")
+        self.manager.register_checkpoint(local_path, max_ckpt_to_keep)
+
+
+def verl_saving_trainer(root: Path, keep: int | None) -> Any:
+    """verl's PPOTrainer (separate_async) with verl-sat's FaultMixin, set up for ``_save_checkpoint``."""
+    from verl.trainer.ppo.v1 import trainer_base
+
+    class Trainer(FaultMixin, trainer_base.PPOTrainer):
+        def on_step_end(self) -> None: ...
+
+        def on_sample_end(self) -> None: ...
+
+    trainer = object.__new__(Trainer)
+    trainer.config = OmegaConf.create(
+        {
+            "sat": {},
+            "trainer": {"default_local_dir": str(root), "default_hdfs_dir": None, "max_actor_ckpt_to_keep": keep},
+            "actor_rollout_ref": {"actor": {"checkpoint": {}}},
+        }
+    )
+    trainer.trainer_mode, trainer.use_critic = "separate_async", False
+    trainer.actor_rollout_wg = RetainingActor()
+    trainer.train_dataloader = mock.Mock(state_dict=lambda: {"pos": 1})
+    trainer.checkpoint_callback = mock.Mock()
+    return trainer
+
+
+@pytest.mark.parametrize(("keep", "left"), [(1, [3]), (2, [2, 3]), (None, [1, 2, 3])])
+def test_verls_save_keeps_as_many_snapshots_as_actors(tmp_path: Path, monkeypatch, capsys, keep, left) -> None:
+    from verl.trainer.ppo.v1 import trainer_base
+
+    tq = mock.Mock()
+    tq.save_checkpoint.side_effect = lambda path, metadata=None: Path(path).mkdir(parents=True)
+    monkeypatch.setattr(trainer_base, "tq", tq)
+    trainer = verl_saving_trainer(tmp_path, keep)
+    for step in (1, 2, 3):
+        trainer.global_steps = step
+        trainer._save_checkpoint()  # verl's save, unchanged; then verl-sat's prune
+    assert checkpoint_steps(tmp_path) == left
+    assert all(checkpoint_complete(tmp_path / f"global_step_{k}") for k in left)  # actor, data.pt and snapshot
+    assert read_tracker(tmp_path) == 3
+    out = capsys.readouterr().out
+    assert ("removed the TransferQueue snapshot" in out) == (keep is not None)
+
+
+# ---------------------------------------------------------------------------------------------
+# end to end: the default CPU job, a save every step, one checkpoint kept
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.e2e
+def test_a_cpu_run_keeps_only_the_kept_steps_snapshot(cached_default_assets: Path, tmp_path: Path) -> None:
+    """``python -m verl_sat.main`` on the CPU default (separate_async, lag 2), 3 steps with
+    ``save_freq=1`` and ``max_actor_ckpt_to_keep=1``: verl saves an actor checkpoint and a
+    TransferQueue snapshot every step and keeps one actor checkpoint; of steps 1 and 2 nothing is
+    left, step 3 is complete (actor, data.pt, snapshot) and is what a resume starts from."""
+    run_dir = tmp_path / "run"
+    cmd = [
+        sys.executable,
+        "-m",
+        "verl_sat.main",
+        f"sat.assets_dir={cached_default_assets}",
+        f"sat.run_dir={run_dir}",
+        "trainer.total_training_steps=3",
+        "trainer.save_freq=1",
+        "trainer.max_actor_ckpt_to_keep=1",
+    ]
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("VERL_FILE_LOGGER", "VERL_SAT_RUN_DIR"))}
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=tmp_path)
+    console = out.stdout + out.stderr
+    assert out.returncode == 0, console[-6000:]
+    checkpoints = run_dir / "checkpoints"
+    assert checkpoint_steps(checkpoints) == [3]
+    assert names(checkpoints / "global_step_3") == {"actor", "data.pt", "transfer_queue"}
+    assert (checkpoints / "global_step_3" / "transfer_queue" / "metadata.json").is_file()
+    assert read_tracker(checkpoints) == 3 and latest_checkpoint(checkpoints, async_mode=True) == 3
+    logs = console + (run_dir / "console.log").read_text()
+    assert "removed the TransferQueue snapshot of global_step_1" in logs
+    assert "removed the TransferQueue snapshot of global_step_2" in logs
