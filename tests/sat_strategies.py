@@ -17,6 +17,10 @@ and docs/sat.md#sequence-level with numpy and elementwise torch ops (inverse-CDF
 sorting, the kernels, the radii, the bands), using no verl_sat code. Every property test collects
 that flag per draw and asserts with ``assert_biting_share`` that at least a third of its draws
 bite, so a generator that drifts away from the bands fails instead of passing vacuously.
+
+alpha has one reading in every test: ``alpha_level``, the decimal as written (docs/sat.md, "alpha
+is read as written"); ``alpha_rank`` and ``inverse_cdf`` build the quantile's rank and definition
+on it, with no verl_sat code.
 """
 
 from __future__ import annotations
@@ -111,25 +115,71 @@ class SATCase:
 # ---------------------------------------------------------------------------------------------
 # the paper's formulas (docs/sat.md#the-rule, steps 1-7; docs/sat.md#sequence-level), independent of verl_sat
 # ---------------------------------------------------------------------------------------------
-def spec_quantile(values: np.ndarray, alpha: float) -> float:
-    """docs/sat.md#the-rule, step 2: the smallest x >= 0 with empirical CDF(x) >= alpha, alpha read as written.
+def alpha_level(alpha: float) -> Fraction:
+    """The one reading of alpha in these tests: the decimal as written (docs/sat.md, "alpha is read as
+    written"), exactly. ``repr`` is the shortest decimal that reads back as the float: 0.7 -> 7/10,
+    not the binary 0.6999999999999999556..., and 0.7 * 10 is 7, not 7.000000000000001."""
+    return Fraction(repr(float(alpha)))
 
-    By sorting: the CDF at a value is #{values <= it} / n; 0 when there is no value.
-    """
+
+def alpha_rank(alpha: float, n: int) -> int:
+    """k = ceil(alpha n), alpha read by ``alpha_level``: the smallest k with k / n >= alpha, the
+    1-based rank of the inverse-CDF alpha-quantile of n values (docs/sat.md#the-rule, step 2)."""
+    return max(1, math.ceil(alpha_level(alpha) * n))
+
+
+def on_cdf_step(alpha: float, n: int) -> bool:
+    """alpha n is a whole number: the empirical CDF equals alpha exactly at the k-th value, the
+    case where reading alpha another way (a float product, a tolerance) moves the rank by one."""
+    return n > 0 and (alpha_level(alpha) * n).denominator == 1
+
+
+def inverse_cdf(values: Sequence[float], alpha: float, weights: Sequence[int] | None = None) -> float | None:
+    """docs/sat.md#the-rule, step 2, by definition: the smallest v among ``values`` with
+    #{x <= v} / n >= alpha (each x counted ``weights`` times), alpha read by ``alpha_level``.
+    None when there is no value (n = 0)."""
+    counts = [1] * len(values) if weights is None else [int(w) for w in weights]
+    counted = list(zip(values, counts, strict=True))
+    n = sum(counts)
+    if n == 0:
+        return None
+    level = alpha_level(alpha)
+    for v in sorted(v for v, w in counted if w > 0):
+        if Fraction(sum(w for x, w in counted if x <= v), n) >= level:
+            return v
+    raise AssertionError("the CDF reaches 1 at the largest value")
+
+
+def spec_quantile(values: np.ndarray, alpha: float) -> float:
+    """docs/sat.md#the-rule, step 2: the smallest x >= 0 with empirical CDF(x) >= alpha; 0 when there
+    is no value. Sorted, that is the k-th smallest, k = ``alpha_rank`` (``inverse_cdf`` without its
+    quadratic count)."""
     if values.size == 0:
         return 0.0
-    xs = np.sort(values)
-    level = Fraction(str(alpha))
-    counts = np.searchsorted(xs, xs, side="right")
-    for x, count in zip(xs, counts, strict=True):
-        if Fraction(int(count), xs.size) >= level:
-            return float(x)
-    raise AssertionError("the CDF reaches 1 at the largest value")
+    return float(np.sort(values)[alpha_rank(alpha, values.size) - 1])
 
 
 def gate_capacity(n: int, alpha: float) -> int:
     """n - ceil(alpha n): how many of n active tokens can lie strictly above the alpha-quantile."""
-    return n - math.ceil(Fraction(str(alpha)) * n)
+    return n - alpha_rank(alpha, n) if n > 0 else 0
+
+
+# alphas as a user writes them: at most 3 decimals (docs/sat.md, "alpha is read as written")
+WRITTEN_ALPHAS = (
+    st.sampled_from((0.5, 0.7, 0.75, 0.8, 0.9, 0.95, 0.99))
+    | st.integers(1, 99).map(lambda m: m / 100)
+    | st.integers(1, 999).map(lambda m: m / 1000)
+)
+
+
+def draw_alpha(draw, n: int) -> float:
+    """A written alpha for n values; three times in four, where n allows a two-decimal one, one
+    with alpha n whole (``on_cdf_step``)."""
+    g = math.gcd(n, 100)
+    if g > 1 and draw(st.integers(0, 3)) > 0:
+        step = 100 // g
+        return draw(st.integers(1, 99 // step)) * step / 100
+    return draw(WRITTEN_ALPHAS)
 
 
 def spec_psi(u: np.ndarray, q: float, kernel: str, exponent: float) -> np.ndarray:
@@ -215,12 +265,20 @@ def spec_token_loss(case: SATCase, rule: SpecRule) -> np.ndarray:
     return np.where(case.mask.numpy(), loss, 0.0)
 
 
-def assert_biting_share(flags: Sequence[bool], what: str, minimum: float = MIN_BITING_SHARE) -> float:
-    """The share of draws where the property bites; fails below ``minimum``. Returns the share."""
+def assert_biting_share(
+    flags: Sequence[bool], what: str, minimum: float = MIN_BITING_SHARE, maximum: float = 1.0
+) -> float:
+    """The share of draws where the property bites; fails below ``minimum`` (the generator drifted
+    away from the case), above ``maximum`` (the controls are no longer drawn), or when fewer than
+    ``PROPERTY.max_examples`` examples ran. Returns the share.
+
+    Called after the hypothesis test ran (``flags = []``, ``@PROPERTY @given def check``, ``check()``),
+    so the share is over every example it ran; a failing example never gets here."""
     assert len(flags) >= PROPERTY.max_examples, f"{what}: only {len(flags)} examples ran"
     share = sum(map(bool, flags)) / len(flags)
     print(f"{what}: {len(flags)} examples, biting share {share:.3f}")
     assert share >= minimum, f"{what}: only {share:.1%} of {len(flags)} draws bite (need {minimum:.1%})"
+    assert share <= maximum, f"{what}: {share:.1%} of {len(flags)} draws bite, the controls are missing"
     return share
 
 

@@ -1,6 +1,11 @@
-"""In CI, a test that skips because ../shared/data is missing fails instead (a pytest hook).
+"""In CI, a skipped test fails instead (pytest hooks): CI runs every test it collects, or says why not.
 
-Registered by tests/conftest.py, which re-exports the hook; kept free of heavy imports so a
+A skip hides a test that did not run. Locally one may skip (vLLM not installed, say); under CI=true
+the same skip is a failure that gives its reason, and a skip while collecting a module (a
+module-level ``pytest.importorskip``) is a collection error. So a test must not depend on
+../shared/data: the data it needs ships in tests/fixtures. An expected failure (xfail) stays one.
+
+Registered by tests/conftest.py, which re-exports the hooks; kept free of heavy imports so a
 pytest run of its own can load it (``-p shared_data_ci``) to test it.
 """
 
@@ -12,9 +17,6 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-SHARED_DATA = Path(os.environ.get("VERL_SAT_SHARED_DATA", REPO.parent / "shared" / "data"))
-# a skip whose reason names the shared data (every such skip in the suite mentions VERL_SAT_SHARED_DATA)
-SHARED_DATA_MARKERS = ("VERL_SAT_SHARED_DATA", "shared/data", str(SHARED_DATA))
 
 
 def in_ci(environ: dict[str, str] | None = None) -> bool:
@@ -23,25 +25,33 @@ def in_ci(environ: dict[str, str] | None = None) -> bool:
     return value.strip().lower() not in ("", "0", "false", "no")
 
 
-def shared_data_failure(skip_reason: str, environ: dict[str, str] | None = None) -> str | None:
-    """The failure message for a skip that hides missing shared data in CI, else None.
-
-    Locally a test may skip when ../shared/data (or $VERL_SAT_SHARED_DATA) is missing; in CI the
-    data must be there, so the same skip is a failure that says what is missing.
-    """
-    if not in_ci(environ) or not any(marker in skip_reason for marker in SHARED_DATA_MARKERS):
+def ci_skip_failure(skip_reason: str, environ: dict[str, str] | None = None) -> str | None:
+    """The failure message for a skip in CI, else None (locally a skip stays a skip)."""
+    if not in_ci(environ):
         return None
-    return f"CI is set but the shared data is missing, so this test did not run: {skip_reason}"
+    return f"CI is set, so a skip is a failure; this did not run: {skip_reason}"
+
+
+def fail_if_skipped(report: pytest.TestReport | pytest.CollectReport) -> None:
+    """In CI, turn a skipped report into a failed one that gives the skip's reason."""
+    if not report.skipped or hasattr(report, "wasxfail"):
+        return
+    reason = str(report.longrepr[2] if isinstance(report.longrepr, tuple) else report.longrepr)
+    message = ci_skip_failure(reason.removeprefix("Skipped: "))
+    if message is not None:
+        report.outcome = "failed"
+        report.longrepr = message
 
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
-    """In CI, turn a skip for missing ../shared/data into a failure (locally it stays a skip)."""
+    """In CI, a test that skips (``pytest.skip``, ``skipif``, ``importorskip`` in the test) fails."""
     outcome = yield
-    report = outcome.get_result()
-    if not report.skipped or hasattr(report, "wasxfail") or not isinstance(report.longrepr, tuple):
-        return
-    message = shared_data_failure(str(report.longrepr[2]))
-    if message is not None:
-        report.outcome = "failed"
-        report.longrepr = message
+    fail_if_skipped(outcome.get_result())
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_make_collect_report(collector: pytest.Collector):
+    """In CI, a module that skips while it is collected is a collection error."""
+    outcome = yield
+    fail_if_skipped(outcome.get_result())

@@ -8,8 +8,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import given
 from hypothesis import strategies as st
+from sat_strategies import PROPERTY, assert_biting_share
 from test_main_on_cpu import assets, cpu_cfg, no_build, restore_environ  # noqa: F401  (fixtures)
 from test_schedule_on_cpu import v1_config
 
@@ -28,31 +29,53 @@ from verl_sat.trainer.auto_lag import (
 )
 from verl_sat.trainer.recipe import SATRecipeConfig, apply_lag
 
-signals = st.lists(st.one_of(st.none(), st.floats(0, 1), st.just(float("nan"))), min_size=1, max_size=60)
+# per-step signals: missing, NaN or in [0, 1]; any length, or at least 12 steps (several gaps of max)
+signal = st.one_of(st.none(), st.floats(0, 1), st.just(float("nan")))
+signals = st.lists(signal, min_size=1, max_size=60) | st.lists(signal, min_size=12, max_size=60)
 
 
-@settings(max_examples=300, deadline=None)
-@given(signals, st.integers(1, 4), st.integers(0, 6), st.floats(0.01, 0.99))
-def test_every_gap_between_broadcasts_lies_in_min_max_and_only_the_signal_shortens_it(values, lo, extra, target):
+def test_every_gap_between_broadcasts_lies_in_min_max_and_only_the_signal_shortens_it():
     """k >= min and (s > target or k >= max): each gap in [min, max]; a gap below max ends on a step
-    whose signal exceeded target; a step at or past min with the signal above target broadcasts."""
-    hi = lo + extra
-    gate = AutoLag(AutoLagConfig(target=target, min=lo, max=hi))
-    last, shortened = 0, 0
-    for step, value in enumerate(values, start=1):
-        broadcast, k = gate.decide(value)
-        assert k == step - last
-        above = value is not None and value == value and value > target
-        if broadcast:
-            assert lo <= k <= hi
-            if k < hi:
-                assert above
-                shortened += 1
-            last = step
-        else:
-            assert k < hi and not (above and k >= lo)
-    if all(v is None or v != v or v <= target for v in values):
-        assert shortened == 0 and gate.broadcasts == len(values) // hi  # a fixed lag of max
+    whose signal exceeded target; a step at or past min with the signal above target broadcasts; a
+    signal never above target is a fixed lag of max. Bites where the signal shortens a gap below
+    max; also measured: min holding back a step above target, max forcing a broadcast on a quiet
+    step, and a signal never above target over at least one gap of max."""
+    shortened, held, forced, quiet = [], [], [], []
+
+    @PROPERTY
+    @given(signals, st.integers(1, 4), st.integers(0, 6), st.floats(0.01, 0.99))
+    def check(values, lo, extra, target) -> None:
+        hi = lo + extra
+        gate = AutoLag(AutoLagConfig(target=target, min=lo, max=hi))
+        last, short, hold, force = 0, 0, 0, 0
+        for step, value in enumerate(values, start=1):
+            broadcast, k = gate.decide(value)
+            assert k == step - last
+            above = value is not None and value == value and value > target
+            if broadcast:
+                assert lo <= k <= hi
+                if k < hi:
+                    assert above
+                    short += 1
+                elif not above:
+                    force += 1
+                last = step
+            else:
+                assert k < hi and not (above and k >= lo)
+                hold += above  # above target, held back by min
+        never_above = all(v is None or v != v or v <= target for v in values)
+        if never_above:
+            assert short == 0 and gate.broadcasts == len(values) // hi  # a fixed lag of max
+        quiet.append(never_above and len(values) >= hi)
+        shortened.append(short > 0)
+        held.append(hold > 0)
+        forced.append(force > 0)
+
+    check()
+    assert_biting_share(shortened, "auto lag, the signal shortens a gap", minimum=0.25, maximum=0.95)
+    assert_biting_share(held, "auto lag, min holds back a step above target", minimum=0.1)
+    assert_biting_share(forced, "auto lag, max forces a broadcast", minimum=0.25)
+    assert_biting_share(quiet, "auto lag, a signal never above target: a fixed lag of max", minimum=0.05)
 
 
 def test_a_batch_drawn_before_the_last_broadcast_cannot_trigger_one():

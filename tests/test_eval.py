@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import threading
 from collections.abc import Iterator, Sequence
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -31,14 +30,8 @@ from verl_sat.eval.sampling import (
     run_eval,
 )
 
-SHARED_AIME = Path(__file__).parents[1].parent / "shared" / "data" / "aime24.jsonl"
-
-
-def aime24_path() -> Path:
-    path = SHARED_AIME if SHARED_AIME.is_file() else Path(os.environ.get("VERL_SAT_SHARED_DATA", "")) / "aime24.jsonl"
-    if not path.is_file():
-        pytest.skip(f"shared AIME24 data not found at {SHARED_AIME} (set VERL_SAT_SHARED_DATA)")
-    return path
+# six AIME 2024 problems copied verbatim from ../shared/data/aime24.jsonl (public; its lines 1, 2, 8, 13, 16, 26)
+AIME24 = Path(__file__).parent / "fixtures" / "data" / "aime24_sample.jsonl"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -95,11 +88,13 @@ def test_pass_at_1_is_avg_and_bounds(counts: list[tuple[int, int]]) -> None:
 # ---------------------------------------------------------------------------------------------
 
 
-def test_load_shared_aime24() -> None:
-    problems = load_problems(aime24_path())
-    assert len(problems) == 30
-    assert all(p.answer.isdigit() and len(p.answer) == 3 for p in problems)
-    assert [p.id for p in problems] == [str(i) for i in range(30)]
+def test_load_aime24_jsonl() -> None:
+    """AIME24's JSONL loads as the shared data ships it: zero-padded answers kept, ids are line numbers."""
+    problems = load_problems(AIME24)
+    assert len(problems) == 6
+    assert [p.answer for p in problems] == ["204", "113", "025", "540", "073", "080"]
+    assert [p.id for p in problems] == [str(i) for i in range(6)]
+    assert problems[0].question.startswith("Every morning Aya") and problems[0].messages is None
 
 
 def test_load_verl_parquet_and_plain_json(tmp_path: Path) -> None:
@@ -237,7 +232,8 @@ def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def test_hf_backend_end_to_end(tiny_checkpoint: Path, tmp_path: Path) -> None:
-    problems = load_problems(aime24_path(), limit=2)
+    """An HF checkpoint samples real AIME24 prompts into samples.jsonl and a summary, the same on a rerun."""
+    problems = load_problems(AIME24, limit=2)
     backend = HFBackend(tiny_checkpoint, batch_size=3)
     cfg = SamplingConfig(k=2, max_tokens=6, seed=1)
     summary = run_eval(problems, backend, cfg, tmp_path / "a", progress=False)
@@ -253,10 +249,11 @@ def test_hf_backend_end_to_end(tiny_checkpoint: Path, tmp_path: Path) -> None:
 
 
 def test_cli_hf(tiny_checkpoint: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    argv = ["--hf", str(tiny_checkpoint), "--data", str(aime24_path()), "--limit", "1", "--k", "2"]
+    """``--hf`` with ``--data`` a JSONL path: prints avg@k and appends the step's metrics to ``--log-to``."""
+    argv = ["--hf", str(tiny_checkpoint), "--data", str(AIME24), "--limit", "1", "--k", "2"]
     argv += ["--max-tokens", "4", "--out", str(tmp_path), "--quiet", "--log-to", str(tmp_path / "m.jsonl")]
     summary = main([*argv, "--step", "10"])
-    assert summary["source"] == str(aime24_path())
+    assert summary["source"] == str(AIME24)
     assert "avg@2 =" in capsys.readouterr().out
     assert json.loads((tmp_path / "m.jsonl").read_text())["step"] == 10
 
@@ -282,7 +279,7 @@ class DiesAfter:
 
 def test_hf_resume_equals_an_uninterrupted_run(tiny_checkpoint: Path, tmp_path: Path) -> None:
     """Each HF sample draws from its own generator: resumed in other batches, the samples are the same."""
-    problems = load_problems(aime24_path(), limit=2)
+    problems = load_problems(AIME24, limit=2)
     backend = HFBackend(tiny_checkpoint, batch_size=4)
     cfg = SamplingConfig(k=3, max_tokens=8, seed=5)
     whole = run_eval(problems, backend, cfg, tmp_path / "whole", progress=False)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pandas as pd
@@ -13,16 +12,8 @@ from verl_sat.data import prepare_math as pm
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "data"
 DAPO = FIXTURES / "dapo_math_17k_sample.jsonl"
 DOLCI = FIXTURES / "dolci_rl_zero_math_sample.jsonl"
-
-
-def shared_data_dir() -> Path:
-    """``shared/data`` beside the repository, or ``$VERL_SAT_SHARED_DATA``."""
-    env = os.environ.get("VERL_SAT_SHARED_DATA")
-    return Path(env) if env else Path(__file__).resolve().parents[1].parent / "shared" / "data"
-
-
-AIME24 = shared_data_dir() / "aime24.jsonl"
-needs_aime = pytest.mark.skipif(not AIME24.exists(), reason=f"{AIME24} not found (set VERL_SAT_SHARED_DATA)")
+# six AIME 2024 problems copied verbatim from ../shared/data/aime24.jsonl (zero-padded answers, as it ships them)
+AIME24 = FIXTURES / "aime24_sample.jsonl"
 
 
 def test_dapo_template_is_stripped_and_reapplied() -> None:
@@ -112,27 +103,27 @@ def test_answers_are_normalized() -> None:
         pm.normalize_answer("  ", "t")
 
 
-@needs_aime
-def test_aime24_from_shared_jsonl() -> None:
+def test_aime24_from_jsonl() -> None:
+    """AIME24's JSONL becomes verl rows: the eval data source, unpadded answers, prompts, the test split."""
     frame = pm.build_aime(str(AIME24))
-    assert len(frame) == 30
+    assert len(frame) == 6
     assert set(frame["data_source"]) == {pm.AIME_DATA_SOURCE}
     answers = [rm["ground_truth"] for rm in frame["reward_model"]]
-    assert all(a.isdigit() and not (len(a) > 1 and a.startswith("0")) for a in answers)
-    assert answers[0] == "204"
+    assert answers == ["204", "113", "25", "540", "73", "80"]  # "025" -> "25": compared as integers
     assert frame["prompt"][0][0]["content"].startswith(pm.PROMPT_PREFIX + "Every morning Aya")
     assert {info["split"] for info in frame["extra_info"]} == {"test"}
 
 
-@needs_aime
 def test_verl_math_dapo_verifier_scores_our_rows() -> None:
+    """verl's own math_dapo scorer, reached through both data sources we write, scores our rows."""
     from verl.utils.reward_score import default_compute_score
 
     frame = pm.build_aime(str(AIME24))
-    truth = frame["reward_model"][0]["ground_truth"]
-    right = default_compute_score(pm.AIME_DATA_SOURCE, f"Some work.\nAnswer: {truth}", truth)
-    wrong = default_compute_score(pm.TRAIN_DATA_SOURCE, "Some work.\nAnswer: 1", truth)
-    assert right["acc"] and not wrong["acc"]
+    for source in (pm.AIME_DATA_SOURCE, pm.TRAIN_DATA_SOURCE):
+        for truth in (rm["ground_truth"] for rm in frame["reward_model"]):
+            right = default_compute_score(source, f"Some work.\nAnswer: {truth}", truth)
+            wrong = default_compute_score(source, f"Some work.\nAnswer: {int(truth) + 1}", truth)
+            assert right["acc"] and not wrong["acc"], (source, truth)
 
 
 def test_cli_writes_both_files(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -1,4 +1,9 @@
-"""Exact radix selection (verl_sat.sat.quantile), alone and across data-parallel ranks (gloo)."""
+"""Exact radix selection (verl_sat.sat.quantile), alone and across data-parallel ranks (gloo).
+
+The reference is the inverse-CDF definition (``sat_strategies.inverse_cdf``, alpha read as written
+by ``sat_strategies.alpha_level``), or a full sort at that rank for large inputs; never the code's
+own ``quantile_rank``.
+"""
 
 from __future__ import annotations
 
@@ -11,43 +16,85 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from hypothesis import given
 from hypothesis import strategies as st
-from sat_strategies import PROPERTY
+from sat_strategies import PROPERTY, alpha_rank, assert_biting_share, draw_alpha, inverse_cdf, on_cdf_step
 
-from verl_sat.sat.quantile import exact_quantile, keys_to_float, ordered_keys, quantile_rank
+from verl_sat.sat.quantile import exact_quantile, keys_to_float, ordered_keys
 
 DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16]
 
 
 def by_sorting(values: torch.Tensor, alpha: float, weights: torch.Tensor | None = None) -> torch.Tensor:
-    """The k-th smallest, k = ceil(alpha n), counting multiplicities: the definition, by a full sort."""
+    """The k-th smallest, k = ceil(alpha n) with alpha as written (``sat_strategies.alpha_rank``),
+    counting multiplicities: the definition, by a full sort (for inputs too large for ``inverse_cdf``)."""
     work = values.double() if values.dtype == torch.float64 else values.float()
     if weights is not None:
         work = work.repeat_interleave(weights.long())
     if work.numel() == 0:
         return torch.zeros((), dtype=values.dtype)
-    return torch.sort(work).values[quantile_rank(alpha, work.numel()) - 1].to(values.dtype)
+    return torch.sort(work).values[alpha_rank(alpha, work.numel()) - 1].to(values.dtype)
 
 
-@PROPERTY
-@given(
-    values=st.lists(st.floats(allow_nan=False, width=32), min_size=0, max_size=80),
-    alpha=st.floats(0.01, 0.99),
-    dtype=st.sampled_from(DTYPES),
-)
-def test_matches_the_sorted_definition_at_every_dtype(values, alpha, dtype):
-    x = torch.tensor(values, dtype=torch.float32).to(dtype)
-    assert torch.equal(exact_quantile(x, alpha), by_sorting(x, alpha))
+def expected(values: torch.Tensor, alpha: float, weights: list[int] | None = None) -> torch.Tensor:
+    """``sat_strategies.inverse_cdf`` of the values as the dtype holds them, in that dtype; 0 when n = 0."""
+    q = inverse_cdf(values.tolist(), alpha, weights)
+    return torch.tensor(0.0 if q is None else q, dtype=values.dtype)
 
 
-@PROPERTY
-@given(
-    pairs=st.lists(st.tuples(st.floats(0, 5, width=32), st.integers(0, 50)), min_size=1, max_size=40),
-    alpha=st.floats(0.01, 0.99),
-)
-def test_multiplicities_count_like_repeated_values(pairs, alpha):
-    values = torch.tensor([v for v, _ in pairs], dtype=torch.float32)
-    weights = torch.tensor([w for _, w in pairs])
-    assert torch.equal(exact_quantile(values, alpha, weights), by_sorting(values, alpha, weights))
+@st.composite
+def valued(draw):
+    """(values, alpha, dtype): up to 80 fp32 values (infinities and signed zeros included), an alpha
+    as written for their number (mostly with alpha n whole), a dtype to cast them to."""
+    values = draw(st.lists(st.floats(allow_nan=False, width=32), min_size=0, max_size=80))
+    return values, draw_alpha(draw, len(values)), draw(st.sampled_from(DTYPES))
+
+
+@st.composite
+def weighted(draw):
+    """(pairs of value and multiplicity, alpha): an alpha as written for the total multiplicity."""
+    pairs = draw(st.lists(st.tuples(st.floats(0, 5, width=32), st.integers(0, 50)), min_size=1, max_size=40))
+    return pairs, draw_alpha(draw, sum(w for _, w in pairs))
+
+
+def test_matches_the_sorted_definition_at_every_dtype():
+    """``exact_quantile`` is the inverse-CDF alpha-quantile by definition (``inverse_cdf``), bit for
+    bit and in the input's dtype, at every dtype, no value included. Bites where alpha n is whole:
+    the CDF meets alpha exactly at the k-th value, where a rank off by one shows."""
+    step = []
+
+    @PROPERTY
+    @given(drawn=valued())
+    def check(drawn) -> None:
+        values, alpha, dtype = drawn
+        x = torch.tensor(values, dtype=torch.float32).to(dtype)
+        q = exact_quantile(x, alpha)
+        assert q.dtype == dtype and torch.equal(q, expected(x, alpha))
+        step.append(on_cdf_step(alpha, len(values)))
+
+    check()
+    assert_biting_share(step, "radix quantile = inverse CDF, alpha n whole", minimum=0.25, maximum=0.9)
+
+
+def test_multiplicities_count_like_repeated_values():
+    """A value of integer weight w counts as w copies of it (SAT-GSPO's length-weighted sequence
+    score). Bites where the weights move the answer away from the unweighted quantile of the same
+    values, and where alpha n is whole."""
+    moved, step = [], []
+
+    @PROPERTY
+    @given(drawn=weighted())
+    def check(drawn) -> None:
+        pairs, alpha = drawn
+        values = torch.tensor([v for v, _ in pairs], dtype=torch.float32)
+        weights = [w for _, w in pairs]
+        q = exact_quantile(values, alpha, torch.tensor(weights))
+        assert torch.equal(q, expected(values, alpha, weights))
+        present = [v for v, w in zip(values.tolist(), weights, strict=True) if w > 0]
+        moved.append(bool(present) and float(q) != inverse_cdf(present, alpha))
+        step.append(on_cdf_step(alpha, sum(weights)))
+
+    check()
+    assert_biting_share(moved, "multiplicities, the weights move the quantile", minimum=0.15)
+    assert_biting_share(step, "multiplicities, alpha n whole", minimum=0.25, maximum=0.9)
 
 
 def test_keys_order_like_floats_and_invert():
@@ -62,7 +109,7 @@ def test_keys_order_like_floats_and_invert():
 def test_exact_beyond_sixteen_million_values():
     n = 17_000_000
     x = torch.arange(n, dtype=torch.float64).flip(0)
-    assert exact_quantile(x, 0.9).item() == quantile_rank(0.9, n) - 1
+    assert exact_quantile(x, 0.9).item() == alpha_rank(0.9, n) - 1
 
 
 def test_ties_and_empty():

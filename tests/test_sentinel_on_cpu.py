@@ -12,9 +12,10 @@ from unittest import mock
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 from omegaconf import OmegaConf
+from sat_strategies import PROPERTY, assert_biting_share
 from transfer_queue import KVBatchMeta
 from verl.trainer.ppo.v1.trainer_base import PPOTrainer
 
@@ -65,11 +66,19 @@ def stream(
 
 
 def first_alarm(config: SentinelConfig, rows: Iterator[tuple[int, dict[str, float]]]) -> int | None:
+    return watch(config, rows)[0]
+
+
+def watch(config: SentinelConfig, rows: Iterator[tuple[int, dict[str, float]]]) -> tuple[int | None, int]:
+    """(the first alarm's step or None, the longest low-reward run seen before it)."""
     sentinel = CollapseSentinel(config)
+    longest = 0
     for t, row in rows:
-        if sentinel.update(t, row) is not None:
-            return t
-    return None
+        event = sentinel.update(t, row)
+        longest = max(longest, int(sentinel.last_metrics.get("sentinel/low_run", 0)))
+        if event is not None:
+            return t, longest
+    return None, longest
 
 
 # ---------------------------------------------------------------------------------------------
@@ -147,25 +156,45 @@ def test_slow_plateau_stays_quiet():
     assert first_alarm(ON, stream(7, 500, reward_sigma=0.03, reward=reward)) is None
 
 
-@settings(max_examples=25, deadline=None, derandomize=True)
-@given(seed=st.integers(0, 2**31 - 1), sigma=st.sampled_from([0.001, 0.01, 0.05, 0.1]))
-def test_no_false_alarm_on_gaussian_noise(seed: int, sigma: float):
-    assert first_alarm(ON, stream(seed, 300, reward_sigma=sigma)) is None
+def test_no_false_alarm_on_gaussian_noise():
+    """300 steps of gaussian reward noise (and ordinary mismatch) never alarm. Bites where the noise
+    itself dips below the band (a low run opens: half of the rule fires, the rest must hold)."""
+    dipped = []
+
+    @PROPERTY
+    @given(seed=st.integers(0, 2**31 - 1), sigma=st.sampled_from([0.001, 0.01, 0.05, 0.1]))
+    def check(seed: int, sigma: float) -> None:
+        fired, longest = watch(ON, stream(seed, 300, reward_sigma=sigma))
+        assert fired is None
+        dipped.append(longest >= 1)
+
+    check()
+    assert_biting_share(dipped, "no false alarm on gaussian noise, a noise dip below the band", minimum=0.1)
 
 
-@settings(max_examples=25, deadline=None, derandomize=True)
-@given(
-    seed=st.integers(0, 2**31 - 1),
-    sigma=st.sampled_from([0.001, 0.01, 0.03]),
-    onset=st.integers(30, 150),
-    drop_in_sigmas=st.floats(8.0, 30.0),
-    spike=st.floats(2.0, 10.0),
-)
-def test_fires_within_bounded_steps_of_onset(seed: int, sigma: float, onset: int, drop_in_sigmas: float, spike: float):
-    # above the floor: the drop exceeds both k * sigma (with room for noise) and reward_min_drop
-    drop = max(drop_in_sigmas * sigma, 2 * ON.reward_min_drop)
-    fired = first_alarm(ON, stream(seed, onset + 40, reward_sigma=sigma, onset=onset, drop=drop, spike=spike))
-    assert fired is not None and onset + ON.patience - 1 <= fired <= onset + ON.patience + 4
+def test_fires_within_bounded_steps_of_onset():
+    """A drop above the band with a mismatch spike alarms between onset + patience - 1 and
+    onset + patience + 4. Bites both ways the band is set: by the floor reward_min_drop (small
+    sigma) and by k sigma; measured: the floor's share."""
+    floor = []
+
+    @PROPERTY
+    @given(
+        seed=st.integers(0, 2**31 - 1),
+        sigma=st.sampled_from([0.001, 0.01, 0.03]),
+        onset=st.integers(30, 150),
+        drop_in_sigmas=st.floats(8.0, 30.0),
+        spike=st.floats(2.0, 10.0),
+    )
+    def check(seed: int, sigma: float, onset: int, drop_in_sigmas: float, spike: float) -> None:
+        # above the floor: the drop exceeds both k * sigma (with room for noise) and reward_min_drop
+        drop = max(drop_in_sigmas * sigma, 2 * ON.reward_min_drop)
+        fired = first_alarm(ON, stream(seed, onset + 40, reward_sigma=sigma, onset=onset, drop=drop, spike=spike))
+        assert fired is not None and onset + ON.patience - 1 <= fired <= onset + ON.patience + 4
+        floor.append(ON.reward_k * sigma < ON.reward_min_drop)
+
+    check()
+    assert_biting_share(floor, "fires within bounded steps, the band set by the floor", minimum=0.2, maximum=0.8)
 
 
 def binomial_stream(
@@ -206,11 +235,32 @@ def test_low_reward_collapse_to_zero_needs_the_relative_cap():
     assert sum(m is not None for m in missed) <= 3, missed
 
 
-@settings(max_examples=25, deadline=None, derandomize=True)
-@given(seed=st.integers(0, 2**31 - 1), p=st.sampled_from([0.03, 0.1, 0.3, 0.6]))
-def test_no_false_alarm_on_binomial_reward_noise(seed: int, p: float):
-    # low rewards dip below half the median often; the alarm also needs a mismatch spike
-    assert first_alarm(ON, binomial_stream(seed, 300, p=p)) is None
+def test_no_false_alarm_on_binomial_reward_noise():
+    """300 steps of binomial reward noise (64 samples) at p 0.3 and 0.6 never alarm: low rewards dip
+    below half the median often, and the alarm also needs a mismatch spike. Bites where a dip opens
+    a low run."""
+    dipped = []
+
+    @PROPERTY
+    @given(seed=st.integers(0, 2**31 - 1), p=st.sampled_from([0.3, 0.6]))
+    def check(seed: int, p: float) -> None:
+        fired, longest = watch(ON, binomial_stream(seed, 300, p=p))
+        assert fired is None
+        dipped.append(longest >= 1)
+
+    check()
+    assert_biting_share(dipped, "no false alarm on binomial noise, a noise dip below the band", minimum=0.2)
+
+
+@pytest.mark.parametrize(("p", "most"), [(0.03, 0.08), (0.1, 0.02)])
+def test_false_alarm_rate_near_zero_reward_is_bounded(p: float, most: float):
+    """Near a zero reward the relative cap (a band at most half the median below it) makes a batch
+    of all-zero scores "low": at p = 0.03, 0.97^64 = 14% of batches score 0, three in a row with a
+    mismatch spike happen, and some 300-step streams alarm. docs/sentinel.md states the rate these
+    seeds give; this bounds it (and shows that the alarms do occur, so the docs' caveat stays true)."""
+    fired = [watch(ON, binomial_stream(seed, 300, p=p))[0] is not None for seed in range(300)]
+    rate = sum(fired) / len(fired)
+    assert 0 < rate <= most, rate
 
 
 def test_band_is_capped_at_a_fraction_of_the_median():

@@ -37,7 +37,8 @@ def quantile_rank(alpha: float, n: int) -> int:
     """k = ceil(alpha * n): the 1-based rank of the inverse-CDF alpha-quantile of n values.
 
     F(v_(k)) = k / n >= alpha first holds at k = ceil(alpha n) (docs/sat.md#the-rule step 2). alpha is read
-    as the decimal the user wrote (0.7 -> 7/10), so 0.7 * 10 gives rank 7, not 8.
+    as the decimal the user wrote (0.07 -> 7/100), so 0.07 with n = 100 gives rank 7, not the 8 of
+    the float product 0.07 * 100 = 7.000000000000001.
     """
     exact = Fraction(alpha).limit_denominator(10**9)
     return max(1, math.ceil(exact * n))
