@@ -265,3 +265,20 @@ MEGATRON_R2 = {"actor_rollout_ref": {"actor": {"strategy": "megatron", "megatron
 def test_derive_method_from_verl_keys(node, method):
     assert derive_method(OmegaConf.create(node)) == method
     assert normalize_method(method) == method
+
+
+PLATFORM_ENV = ("VERL_PLATFORM", "VERL_ENGINE_DEVICE", "OMP_NUM_THREADS", "TOKENIZERS_PARALLELISM", "RAY_DEDUP_LOGS")
+
+
+@pytest.mark.gpu_branch
+def test_a_gpu_cell_sets_none_of_the_cpu_platform_variables(monkeypatch):
+    """``launch.set_platform_env`` on a paper cell (``trainer.device`` is verl's ``cuda``): no
+    ``VERL_PLATFORM``, so verl's own platform detection runs in the driver and every worker."""
+    for name in PLATFORM_ENV:
+        monkeypatch.delenv(name, raising=False)
+    cfg = compose_cfg("algorithm=sat_gspo", "stabilizer=r3", "lag=n8", config_name="sat_paper")
+    assert cfg.trainer.device == "cuda"
+    launch.set_platform_env(cfg)
+    assert [name for name in PLATFORM_ENV if name in os.environ] == []
+    launch.set_platform_env(compose_cfg())  # the CPU job, for contrast
+    assert os.environ["VERL_PLATFORM"] == "cpu" and os.environ["VERL_ENGINE_DEVICE"] == "cuda"

@@ -65,3 +65,22 @@ def test_a_users_megatron_keys_are_kept_over_the_cpu_node():
     assert megatron.override_transformer_config.moe_token_dispatcher_type == "allgather"  # not the CPU node's
     assert megatron.override_transformer_config.attention_backend == "local"  # the rest of the CPU node stays
     assert megatron.dtype == "float32"
+
+
+@pytest.mark.gpu_branch
+def test_off_cpu_the_megatron_strategy_is_verls_own_engine_config():
+    """``trainer.device=cuda``: nothing of megatron_cpu.yaml is merged; the actor and reference are
+    verl's own Megatron defaults (bf16 McoreEngineConfig, Megatron-Bridge, flash attention), and
+    verl's dataclass accepts them."""
+    cfg = composed("sat.strategy=megatron", "trainer.device=cuda")
+    apply_strategy(cfg, "megatron")
+    for role in ("actor", "ref"):
+        megatron = cfg.actor_rollout_ref[role].megatron
+        assert megatron._target_ == "verl.workers.config.McoreEngineConfig" and megatron.dtype == "bfloat16"
+        assert megatron.vanilla_mbridge is False
+    overrides = cfg.actor_rollout_ref.actor.megatron.override_transformer_config
+    assert overrides.attention_backend == "flash" and "use_cpu_initialization" not in overrides
+    from verl.utils.config import omega_conf_to_dataclass
+    from verl.workers.config import McoreEngineConfig
+
+    assert type(omega_conf_to_dataclass(cfg.actor_rollout_ref.actor).megatron) is McoreEngineConfig

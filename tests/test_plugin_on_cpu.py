@@ -6,6 +6,10 @@ import os
 import subprocess
 import sys
 
+import pytest
+
+CLEARED = ("VERL_PLATFORM", "VERL_ENGINE_DEVICE", "VERL_USE_EXTERNAL_PLUGINS", "VERL_USE_EXTERNAL_MODULES")
+
 CHECK = (
     "import sys, verl\n"
     "from verl.trainer.ppo.core_algos import POLICY_LOSS_REGISTRY as R\n"
@@ -45,3 +49,43 @@ def test_importing_verl_sat_first_registers_everything():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip().splitlines()[-1] == "SATPPOTrainerSeparateAsync"
+
+
+GPU_NODE_CHECK = """
+import importlib, os
+assert "VERL_PLATFORM" not in os.environ and "VERL_ENGINE_DEVICE" not in os.environ
+import torch, torch.distributed as dist
+import verl
+from verl.checkpoint_engine import CheckpointEngineRegistry
+from verl.plugin.platform import PlatformRegistry, platform_manager
+from verl_sat.cpu import megatron
+patched = ["init_process_group"] if getattr(dist.init_process_group, "_verl_sat_dedupe", False) else []
+patched += ["VERL_ENGINE_DEVICE"] if "VERL_ENGINE_DEVICE" in os.environ else []
+for name in sorted({*megatron.TORCH_SCOPED, *megatron.PATCHES}):
+    module = importlib.import_module(name)
+    if getattr(module, "torch", torch) is not torch:
+        patched.append(name + ".torch")
+    owners = [module, *(v for v in vars(module).values() if isinstance(v, type))]
+    patched += [f"{name}.{k}" for o in owners for k, v in vars(o).items() if getattr(v, "_verl_sat_cpu", False)]
+random = importlib.import_module("megatron.core.tensor_parallel.random")
+patched += [] if random._get_cuda_rng_state.__name__ == "_get_cuda_rng_state" else ["_get_cuda_rng_state"]
+print(patched)
+print(platform_manager._detect_platform_name(), "cpu" in PlatformRegistry.registered_names())
+print(sorted(CheckpointEngineRegistry._registry))
+"""
+
+
+@pytest.mark.gpu_branch
+def test_without_verl_platform_no_cpu_patch_is_installed():
+    """A GPU node's environment (no ``VERL_PLATFORM``): the plugin registers the CPU platform but
+    installs none of ``verl_sat.cpu``'s patches (torch.distributed and every megatron-core / mbridge
+    module it would patch are the originals), verl's auto-detection never picks "cpu" (here it falls
+    back to "nvidia", as a GPU node detects it), and ``ray_object_store`` (the 1-GPU smoke's weight
+    sync) is registered anyway."""
+    env = {k: v for k, v in os.environ.items() if k not in CLEARED}
+    out = subprocess.run([sys.executable, "-c", GPU_NODE_CHECK], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    patched, platform, engines = out.stdout.strip().splitlines()[-3:]
+    assert patched == "[]"
+    assert platform == "nvidia True"
+    assert "ray_object_store" in engines

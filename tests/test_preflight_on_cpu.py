@@ -318,6 +318,7 @@ def test_r3_cells_run_packed_and_r3_off_may_pad(cfg: DictConfig, tmp_path: Path)
     assert preflight.check_r3_padding(plain) == []
 
 
+@pytest.mark.gpu_branch
 def test_the_bridge_is_the_one_verl_imports(cfg: DictConfig) -> None:
     # verl 0.9.1's defaults: use_mbridge=true, vanilla_mbridge=false -> megatron.bridge
     assert cfg.actor_rollout_ref.actor.megatron.use_mbridge is True
@@ -707,3 +708,56 @@ def test_module_imports_nothing_heavy() -> None:
         "typing",
         "omegaconf",
     }, top
+
+
+# ---------------------------------------------------------------------------------------------
+# the probes' GPU branches (docs/gpu_path.md)
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.gpu_branch
+def test_probe_gpus_reads_each_device_as_torch_cuda_reports_it(cfg: DictConfig, monkeypatch) -> None:
+    """The CUDA branch of ``probe_gpus``, on a torch.cuda answering as an 8-GPU H200 node does
+    (``mem_get_info`` returns ``(free, total)``); the checks then pass on what it read."""
+    import importlib
+
+    import torch
+
+    probe_module = importlib.import_module("verl_sat.preflight.probe")  # the package exports probe()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda i: (H200 - 10**9 - i, H200))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda i: "NVIDIA H200")
+    monkeypatch.setattr(torch.version, "cuda", "12.8")
+    gpus, cuda = probe_module.probe_gpus()
+    assert cuda == "12.8" and [g.index for g in gpus] == list(range(8))
+    assert gpus[3] == GPU(3, "NVIDIA H200", H200, H200 - 10**9 - 3)
+    facts = replace(good_facts(cfg), gpus=gpus)
+    assert failures(cfg, facts, preflight.check_gpu_count) == []
+    assert failures(cfg, facts, preflight.check_gpu_memory) == []
+
+
+NCCL_ENGINE = """
+import json, sys, types
+cupy = types.ModuleType("cupy")
+cupy.ndarray = type("ndarray", (), {})  # the one cupy name nccl_checkpoint_engine reads at import
+sys.modules["cupy"] = cupy
+from verl_sat.preflight.probe import probe_checkpoint_engines
+from verl.checkpoint_engine import CheckpointEngineRegistry
+engines, errors = probe_checkpoint_engines()
+print(json.dumps([sorted(engines), errors, CheckpointEngineRegistry.get("nccl").__name__]))
+"""
+
+
+@pytest.mark.gpu_branch
+def test_sglang_yamls_weight_sync_backend_is_the_name_verls_nccl_engine_registers(cfg: DictConfig) -> None:
+    """With cupy importable (a stand-in: the GPU node's cupy-cuda12x), verl's own
+    ``nccl_checkpoint_engine`` registers ``"nccl"``, the backend rollout/sglang.yaml names; the
+    probe reads it and the checkpoint-engine check passes on the paper's cell."""
+    out = subprocess.run([sys.executable, "-c", NCCL_ENGINE], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    engines, errors, cls = json.loads(out.stdout.strip().splitlines()[-1])
+    assert cls == "NCCLCheckpointEngine" and "nccl_checkpoint_engine" not in errors
+    sglang = OmegaConf.load(REPO / "hydra_configs/rollout/sglang.yaml")
+    assert sglang.actor_rollout_ref.rollout.checkpoint_engine.backend == "nccl" and "nccl" in engines
+    assert cfg.actor_rollout_ref.rollout.checkpoint_engine.backend == "nccl"
+    facts = replace(good_facts(cfg), checkpoint_engines=frozenset(engines), checkpoint_engine_errors=errors)
+    assert preflight.check_checkpoint_engine(cfg, facts) == []

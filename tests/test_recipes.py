@@ -292,6 +292,7 @@ def test_derived_method_is_the_cells(cells: dict, method: str, lag: int) -> None
     assert derive_method(OmegaConf.create(cells[(method, lag)])) == ("grpo" if method == "base" else method)
 
 
+@pytest.mark.gpu_branch
 @pytest.mark.parametrize(("method", "lag"), METHOD_CELLS)
 def test_cell_instantiates_verl_dataclasses(cells: dict, method: str, lag: int) -> None:
     from verl.trainer.config import AlgoConfig
@@ -569,3 +570,23 @@ def copy_container(container: dict[str, Any]) -> dict[str, Any]:
     import copy
 
     return copy.deepcopy(container)
+
+
+@pytest.mark.gpu_branch
+@pytest.mark.parametrize(("method", "lag"), METHOD_CELLS[:2])
+def test_cells_build_a_megatron_reference_the_cpu_job_never_builds(cells: dict, method: str, lag: int) -> None:
+    """The paper's low-variance KL makes verl build a reference policy (``need_reference_policy``),
+    on verl's own bf16 Megatron engine config with the actor's TP 4 / EP 4; the CPU default job has
+    no KL term, so no CPU test builds one (docs/gpu_path.md)."""
+    from hydra import compose, initialize_config_dir
+    from verl.trainer.ppo.utils import need_reference_policy
+    from verl.utils.config import omega_conf_to_dataclass
+    from verl.workers.config import McoreEngineConfig
+
+    cfg = OmegaConf.create(cells[(method, lag)])
+    assert need_reference_policy(cfg) and cfg.actor_rollout_ref.ref.strategy == "megatron"
+    ref = omega_conf_to_dataclass(cfg.actor_rollout_ref.ref.megatron)
+    assert type(ref) is McoreEngineConfig and ref.dtype == "bfloat16"
+    assert (ref.tensor_model_parallel_size, ref.expert_model_parallel_size) == (4, 4)
+    with initialize_config_dir(str(CONFIG_DIR), version_base=None):
+        assert not need_reference_policy(compose("sat_gspo_cpu"))

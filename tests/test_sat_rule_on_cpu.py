@@ -221,6 +221,7 @@ def rule_as_applied(case: SATCase, d: torch.Tensor):
     return f, lo_b[:, None].expand_as(d), hi_b[:, None].expand_as(d)
 
 
+@pytest.mark.gpu_branch
 @pytest.mark.parametrize(
     "d,alpha,eps_low,eps_high,p",
     [

