@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -41,11 +42,74 @@ def test_summary_line_carries_the_split_and_quarters():
     assert job_summary.timing_split([]) == {} and job_summary.format_split({}, 2) == ""
 
 
-def test_reward_png_is_written(tmp_path):
-    rows = [dict(timed_row(s, 1.0, 2.0, 4.0, 0.1 * s), **{"actor/sat_gate_rate": 0.1}) for s in range(1, 6)]
+@pytest.fixture
+def saved_figures(monkeypatch) -> dict:
+    return capture_figures(monkeypatch)
+
+
+def capture_figures(monkeypatch) -> dict:
+    """Every matplotlib figure written while the test runs, by file name: its Axes still hold what
+    was drawn (line data, offsets, titles, legend entries), so a test reads the figure's content
+    back instead of trusting that a PNG exists."""
+    from matplotlib.figure import Figure
+
+    figures: dict = {}
+    save = Figure.savefig
+
+    def record(fig, fname, *args, **kwargs):
+        figures[Path(fname).name] = fig
+        return save(fig, fname, *args, **kwargs)
+
+    monkeypatch.setattr(Figure, "savefig", record)
+    return figures
+
+
+def points(artist) -> list[float]:
+    """A line's (x, y) data, or a scatter's offsets, flat: x0, y0, x1, y1, ..."""
+    data = artist.get_xydata() if hasattr(artist, "get_xydata") else artist.get_offsets()
+    return [float(v) for xy in data for v in xy]
+
+
+def at(pairs) -> object:
+    """``points`` of the (x, y) pairs, to compare with ``==`` (pytest.approx)."""
+    return pytest.approx([float(v) for xy in pairs for v in xy])
+
+
+def legend_labels(ax) -> list[str]:
+    legend = ax.get_legend()
+    return [t.get_text() for t in legend.get_texts()] if legend is not None else []
+
+
+def test_reward_png_shows_each_panels_metric_per_step_the_quarters_and_the_broadcasts(tmp_path, saved_figures):
+    """reward.png: each panel's line is its metric per step, read from the rows it was drawn from
+    (a step without the metric is left out); the reward panel's two quarter lines sit at
+    ``quarter_means``; the dbar_pi panel carries one red line per sat.lag=auto broadcast."""
+    rows = [
+        dict(
+            timed_row(s, 1.0, 2.0, 4.0, 0.1 * s),
+            **{
+                "actor/sat_gate_rate": 0.1,
+                "actor/mismatch_abs_mean": 0.01 * s,
+                "training/sat/auto_lag/broadcast": float(s % 2 == 0),
+            },
+        )
+        for s in range(1, 6)
+    ]
+    del rows[2]["actor/mismatch_abs_mean"]
     path = job_summary.plot_job(rows, tmp_path / "reward.png")
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert job_summary.quarter_means(rows) == pytest.approx((0.1, 0.5))
+    reward, dbar_pi, gate, intercepted = saved_figures["reward.png"].axes
+    assert points(reward.get_lines()[0]) == at((s, 0.1 * s) for s in range(1, 6))
+    assert [line.get_ydata()[0] for line in reward.get_lines()[1:]] == pytest.approx([0.1, 0.5])
+    assert legend_labels(reward) == ["first quarter 0.10", "last quarter 0.50"]
+    curve, *marks = dbar_pi.get_lines()
+    assert points(curve) == at((s, 0.01 * s) for s in (1, 2, 4, 5))  # step 3 has none
+    assert [m.get_xdata()[0] for m in marks] == [2, 4]  # the broadcasts, at their steps
+    assert dbar_pi.get_title() == "dbar_pi (red: the 2 broadcasts of sat.lag=auto)"
+    assert points(gate.get_lines()[0]) == at((s, 0.1) for s in range(1, 6))
+    assert gate.get_title() == "SAT gate rate"
+    assert not intercepted.get_lines() and [t.get_text() for t in intercepted.texts] == ["no data"]
 
 
 def sat_rows(qs: list[float], intercepted: float = 0.0) -> list[dict]:
@@ -68,7 +132,7 @@ def test_sat_inert_warning_fires_when_q_is_beyond_the_clip_radius_on_most_recent
     assert job_summary.inert_warning([{"step": s} for s in range(30)], eps_high=0.2) is None  # a baseline: no q
 
 
-def test_the_step_line_and_reward_png_show_the_intercepted_fraction(tmp_path):
+def test_the_step_line_and_reward_png_show_the_intercepted_fraction(tmp_path, saved_figures):
     from verl_sat.trainer.progress import ProgressPrinter, progress_line
 
     row = {"step": 3, "critic/score/mean": 0.5, "actor/sat_intercepted_frac": 0.0123}
@@ -90,6 +154,9 @@ def test_the_step_line_and_reward_png_show_the_intercepted_fraction(tmp_path):
         builtins.print = real
     assert sum("SAT is inert" in line for line in printed) == 1  # once, however often it flushes
     assert job_summary.plot_job(job_summary_rows(), tmp_path / "reward.png").is_file()
+    panel = saved_figures["reward.png"].axes[3]
+    assert panel.get_title() == "intercepted (SAT clips, PPO does not)"
+    assert points(panel.get_lines()[0]) == at((s, 0.01 * s) for s in range(1, 5))
 
 
 def job_summary_rows() -> list[dict]:

@@ -10,7 +10,9 @@ from pathlib import Path
 import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
+from test_job_summary import at, capture_figures, points
 
+from verl_sat.paper import report
 from verl_sat.paper.report import (
     CollapseRule,
     Run,
@@ -148,7 +150,14 @@ def test_last_n_default_uses_all_short_runs() -> None:
     assert row.dbar_steps == 20
 
 
-def test_cli_writes_table_and_pngs(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+@pytest.fixture
+def saved_figures(monkeypatch) -> dict:
+    return capture_figures(monkeypatch)
+
+
+def test_cli_writes_table_and_pngs(tmp_path: Path, capsys: pytest.CaptureFixture[str], saved_figures) -> None:
+    """table1.md/csv, report.json and the five figures; each figure read back against the runs'
+    metrics it was drawn from (one panel per lag, one line per run, labelled by ``run_label``)."""
     rows = main([*map(str, RUN_DIRS), "--out", str(tmp_path), "--last-n", "10", "--all-paper-rows"])
     table = (tmp_path / "table1.md").read_text()
     assert (
@@ -161,10 +170,55 @@ def test_cli_writes_table_and_pngs(tmp_path: Path, capsys: pytest.CaptureFixture
     for name in ("fig4_dbar_pi.png", "fig5_aime24.png", "reward.png", "aime24_curve.png", "sat_gate.png"):
         data = (tmp_path / name).read_bytes()
         assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000, name
+    check_figures(saved_figures, [load_run(p) for p in RUN_DIRS], rows)
     report = json.loads((tmp_path / "report.json").read_text())
     assert report["last_n"] == 10 and len(report["rows"]) == len(rows)
     assert (tmp_path / "table1.csv").read_text().startswith("method,lag,run,")
     assert "AIME24" in capsys.readouterr().out
+
+
+def check_figures(figures: dict, runs: list[Run], rows: list) -> None:
+    """Each run's curve sits on its lag's panel with its metric per step (no smoothing: --smooth 0);
+    Figure 4 marks the paper's dbar_pi at the run's last step, Figure 5's bars are each row's best
+    AIME24 beside the paper's, sat_gate.png holds the gate rate above q."""
+
+    def curves(ax) -> dict:
+        return {line.get_label(): line for line in ax.get_lines() if not line.get_label().startswith("_")}
+
+    def panels(name: str) -> dict:
+        return {ax.get_title(): ax for ax in figures[name].axes if ax.get_title()}
+
+    metrics = {
+        "fig4_dbar_pi.png": lambda r: r.series(report.DBAR_PI_KEY),
+        "reward.png": report.reward_series,
+        "aime24_curve.png": lambda r: as_percent(r.series(find_acc_key(list(r.metrics)))),
+    }
+    for name, series in metrics.items():
+        by_lag = panels(name)
+        assert sorted(by_lag) == ["lag 1", "lag 8"], name
+        for run in runs:
+            line = curves(by_lag[f"lag {run.lag}"])[run_label(run)]
+            assert series(run) and points(line) == at(series(run)), (name, run.name)
+    fig4 = panels("fig4_dbar_pi.png")
+    for run in runs:
+        last = report.PAPER_TABLE1[run.method].dbar_pi[run.lag]
+        stars = [line for line in fig4[f"lag {run.lag}"].get_lines() if line.get_marker() == "*"]
+        assert (run.series(report.DBAR_PI_KEY)[-1][0], last) in [tuple(points(s)) for s in stars], run.name
+    bars = panels("fig5_aime24.png")
+    for lag in (1, 8):
+        panel = [r for r in rows if r.lag == lag and (r.best_acc is not None or r.paper_acc is not None)]
+        ours, paper = bars[f"AIME24, lag {lag}"].containers
+        assert [b.get_height() for b in ours] == pytest.approx([r.best_acc or 0.0 for r in panel])
+        assert [b.get_height() for b in paper] == pytest.approx([r.paper_acc or 0.0 for r in panel])
+    gate = figures["sat_gate.png"].axes
+    for run in runs:
+        column = 0 if run.lag == 1 else 1
+        for row, key in enumerate((report.GATE_RATE_KEY, report.Q_KEY)):
+            drawn = curves(gate[2 * row + column] if len(gate) == 4 else gate[row])
+            if run.series(key):
+                assert points(drawn[run_label(run)]) == at(run.series(key)), (run.name, key)
+            else:
+                assert run_label(run) not in drawn
 
 
 # ---------------------------------------------------------------------------------------------

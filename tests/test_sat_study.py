@@ -11,9 +11,15 @@ import sys
 from pathlib import Path
 
 import pytest
+from test_job_summary import at, capture_figures, points
 
 REPO = Path(__file__).resolve().parents[1]
 STUDY = REPO / "studies" / "confirmatory"
+
+
+@pytest.fixture
+def saved_figures(monkeypatch) -> dict:
+    return capture_figures(monkeypatch)
 
 
 @pytest.fixture(scope="module")
@@ -173,8 +179,9 @@ def test_the_assets_fingerprint_names_the_weights(study, tmp_path):
     assert study.assets_fingerprint(tmp_path / "a") != first and len(first) == 16
 
 
-def test_a_tiny_search_end_to_end(study, tmp_path, monkeypatch):
-    """Two worker processes, the quick phase at 3 steps: runs, search.md, CSV, the figure."""
+def test_a_tiny_search_end_to_end(study, tmp_path, monkeypatch, saved_figures):
+    """Two worker processes, the quick phase at 3 steps: runs, search.md, CSV, the figure (read back
+    against the runs it was drawn from)."""
     from verl_sat.default import model as tiny
 
     tiny.create(tmp_path / "assets" / "model", seed=0)
@@ -188,6 +195,39 @@ def test_a_tiny_search_end_to_end(study, tmp_path, monkeypatch):
     assert "quick" in (out / "search.md").read_text() and (out / "working_range.png").stat().st_size > 1000
     assert len((out / "search_runs.csv").read_text().splitlines()) == 1 + 4
     assert json.loads((out / "provenance.json").read_text())["assets_fingerprint"]
+    check_working_range(study, saved_figures["working_range.png"], out)
+
+
+def check_working_range(study, fig, out: Path) -> None:
+    """working_range.png, left: per (setting, lag) of the GSPO + R3 runs, a box of their steps' q
+    (quartiles and median) and the clip radius; right: per group, the mean intercepted share at
+    each staleness. Recomputed from the runs' metrics.jsonl."""
+    import statistics
+
+    import numpy as np
+
+    specs, runs = study.load_runs(out)
+    groups: dict = {}
+    for s in specs:
+        if s.arm == "gspo_r3":
+            groups.setdefault((s.tag, s.lag), []).extend(runs[s.name])
+    left, right = fig.axes
+    assert groups and [t.get_text() for t in left.get_xticklabels()] == [f"{t}\nlag {n}" for t, n in sorted(groups)]
+    lines = left.get_lines()
+    assert [list(line.get_ydata()) for line in lines if line.get_label().startswith("log(1 + eps_high)")] == [
+        [study.RADIUS] * 2
+    ]
+    for position, key in enumerate(sorted(groups), 1):
+        q = [r[study.Q_KEY] for r in groups[key] if study.Q_KEY in r]
+        at_box = [line for line in lines if min(line.get_xdata()) <= position <= max(line.get_xdata()) < position + 1]
+        box = next(line for line in at_box if len(line.get_ydata()) == 5)  # the box outline
+        assert sorted(set(box.get_ydata())) == pytest.approx(list(np.percentile(q, [25, 75]))), key
+        flat = [tuple(line.get_ydata()) for line in at_box if len(line.get_ydata()) == 2 and np.ptp(line.get_xdata())]
+        assert (statistics.median(q),) * 2 in [pytest.approx(y) for y in flat], key  # the median mark
+    assert [line.get_label() for line in right.get_lines()] == [f"{t} lag {n}" for t, n in sorted(groups)]
+    for key, line in zip(sorted(groups), right.get_lines(), strict=True):
+        shares = study.by_staleness(groups[key], study.INTERCEPT_KEY)
+        assert points(line) == at((x, sum(shares[x]) / len(shares[x])) for x in sorted(shares)), key
 
 
 def test_a_directory_without_the_primary_seeds_does_not_call_itself_primary(study):
@@ -195,6 +235,10 @@ def test_a_directory_without_the_primary_seeds_does_not_call_itself_primary(stud
     assert study.primary_heading({"seeds": 16}, 16) == "## Primary"
     assert "5 seeds (not the primary result: that has 16)" in study.primary_heading({"seeds": 5}, 16)
     assert "not the primary result" in study.primary_heading(None, 16)
+
+
+NUMBERS = ("heldout_acc", "heldout_acc@60", "heldout_acc@120", "heldout_acc@180", "heldout_greedy_acc")
+NUMBERS += ("final_reward", "dbar_pi_final")
 
 
 def committed_runs(directory: str) -> list[dict]:
@@ -207,15 +251,15 @@ def committed_runs(directory: str) -> list[dict]:
             **r,
             "lag": int(r["lag"]),
             "seed": int(r["seed"]),
-            "heldout_acc": float(r["heldout_acc"]) if r["heldout_acc"] else None,
+            **{k: float(r[k]) if r[k] else None for k in NUMBERS},
         }
         for r in rows
     ]
 
 
-def quoted(study, stats: list[dict], arm: str, ref: str, lag: int, digits: int = 3) -> dict:
+def quoted(study, stats: list[dict], arm: str, ref: str, lag: int, digits: int = 3, key: str = "heldout_acc") -> dict:
     """The paired row of arm - ref at ``lag``, with its difference and interval as the docs print them."""
-    row = study.paired(stats, arm, ref, lag, "heldout_acc")
+    row = study.paired(stats, arm, ref, lag, key)
     lo, hi = row["ci"]
     return {**row, "text": f"{row['diff']:+.{digits}f} [{lo:+.{digits}f}, {hi:+.{digits}f}]"}
 
@@ -239,8 +283,24 @@ def test_docs_study_quotes_the_committed_results(study):
     protocol = study.read_protocol()
     ref, arm = protocol["primary"]
     lag = protocol["stress_lag"]
-    primary = quoted(study, committed_runs("."), arm, ref, lag, digits=4)
-    assert f"| {primary['arm_mean']:.4f} | {primary['text']} | {primary['wilcoxon_p']:.3f} |" in page
+    first = committed_runs(".")
+    primary = quoted(study, first, arm, ref, lag, digits=4)
+    assert f"| GSPO + R3 | {primary['ref_mean']:.4f} | | | |" in page
+    p = f"{primary['wilcoxon_p']:.3f} | {primary['permutation_p']:.3f} |"
+    assert f"| SAT-GSPO + R3 | {primary['arm_mean']:.4f} | {primary['text']} | {p}" in page
+    secondary = {
+        "held-out accuracy after step 60": "heldout_acc@60",
+        "after step 120": "heldout_acc@120",
+        "after step 180": "heldout_acc@180",
+        "greedy held-out accuracy (240)": "heldout_greedy_acc",
+        "training reward, last quarter (stale rollout)": "final_reward",
+        "dbar_pi, last quarter": "dbar_pi_final",
+    }
+    for measure, key in secondary.items():
+        row = quoted(study, first, arm, ref, lag, key=key)
+        p = "< 0.001" if row["wilcoxon_p"] < 0.001 else f"{row['wilcoxon_p']:.3f}"
+        line = f"| {measure} | {row['arm_mean']:.3f} | {row['ref_mean']:.3f} | {row['text']} | {p} |"
+        assert row["seeds"] == len(protocol["primary_seeds"]) and line in page, line
     second = committed_runs("warmup_a44e53f")
     assert {r["assets_fingerprint"] for r in second} == {"a44e53f246d0502a"}
     for stabilizer in protocol["stabilizers"]:
@@ -250,4 +310,12 @@ def test_docs_study_quotes_the_committed_results(study):
     for n in protocol["dose_lags"]:
         row = quoted(study, second, arm, ref, n)
         assert row["seeds"] == len(protocol["dose_seeds"]), n
-        assert f"| {n} | {row['ref_mean']:.3f} | {row['arm_mean']:.3f} | {row['text']} |" in page, n
+        line = f"| {n} | {row['ref_mean']:.3f} | {row['arm_mean']:.3f} | {row['text']} | {row['wilcoxon_p']:.3f} |"
+        assert line in page, line
+    sat = quoted(study, second, arm, ref, lag)  # the stabilizer table's last row, and its reference
+    line = f"| {sat['arm_mean']:.3f} | {sat['text']} | {sat['wilcoxon_p']:.3f} |"
+    line = "| (SAT-GSPO + R3, the same seeds and warm-up) " + line
+    assert line in page and f"GSPO + R3, mean {sat['ref_mean']:.3f};" in page, line
+    text = " ".join(page.split())
+    assert f"lag-8 row on these 5 seeds ({sat['diff']:+.3f}) agrees with the 16-seed primary on the other" in text
+    assert f"primary on the other warm-up ({primary['diff']:+.3f})" in text
