@@ -273,6 +273,7 @@ def test_the_readme_quotes_the_committed_primary_result(study):
     row = quoted(study, primary, arm, ref, protocol["stress_lag"])
     assert row["seeds"] == len(protocol["primary_seeds"])
     assert row["text"] in readme
+    assert f"{row['text']} (paired t, 95%) on {row['seeds']} seeds" in " ".join(readme.split())
     assert "studies/confirmatory/study_protocol.md" in readme
 
 
@@ -319,3 +320,158 @@ def test_docs_study_quotes_the_committed_results(study):
     text = " ".join(page.split())
     assert f"lag-8 row on these 5 seeds ({sat['diff']:+.3f}) agrees with the 16-seed primary on the other" in text
     assert f"primary on the other warm-up ({primary['diff']:+.3f})" in text
+
+
+def doc_section(doc: str, heading: str) -> str:
+    """``doc`` from ``heading`` to the next heading of its level or above, on one line (a sentence may wrap)."""
+    page = (REPO / doc).read_text()
+    start = page.index(heading)
+    level = "\n" + heading.split(" ")[0] + " "
+    ends = [i for i in (page.find(level, start + 1), page.find("\n## ", start + 1)) if i > 0]
+    return " ".join(page[start : min(ends, default=len(page))].split())
+
+
+def printed_as(value: float, text: str) -> str:
+    """``value`` at the precision of ``text`` as a doc prints it: "0.834", "45%", "0.0005"."""
+    if text.endswith("%"):
+        return f"{value:.0%}"
+    return f"{value:.{len(text.partition('.')[2])}f}"
+
+
+def committed_search() -> list[dict]:
+    """The committed search_runs.csv, typed as ``run_stats`` writes it (the fields ``pick_regime`` reads)."""
+    import csv
+
+    keys = ("heldout_acc", "heldout_acc_initial", "q_median", "q_below_radius_frac", "intercepted_steps_frac")
+    keys += ("intercepted_frac",)
+    rows = csv.DictReader((STUDY / "search" / "search_runs.csv").open())
+    return [{**r, "lag": int(r["lag"]), "seed": int(r["seed"]), **{k: float(r[k]) for k in keys}} for r in rows]
+
+
+def test_docs_study_quotes_the_committed_search(study):
+    """docs/study.md's account of the search (the run count and seed, every setting learns, none
+    degrades, none intercepting on half the lag-8 steps, the lag-1 -> lag-8 accuracy, the
+    intercepting and q-below shares, the setting picked by the rule's last clause) is recomputed
+    here from the committed search_runs.csv with the search's own rule, ``pick_regime``."""
+    import re
+
+    search = committed_search()
+    regime = study.pick_regime(search)
+    verdicts = {v["tag"]: v for v in regime["verdicts"]}
+    text = doc_section("docs/study.md", "### The search and the regime")
+    runs, seed = re.search(r"seed (\d+), 240 steps each: (\d+) runs", text).group(2, 1)
+    assert (int(runs), {int(seed)}) == (len(search), {s["seed"] for s in search})
+    assert all(v["learns"] for v in verdicts.values()) and "every setting learns at lag 1" in text
+    assert not any(v["degrades"] for v in verdicts.values()) and "none drops by 0.05 at lag 8" in text
+    assert max(v["intercepted_steps_frac"] for v in verdicts.values()) < 0.5
+    assert "none has SAT intercepting on half of the lag-8 steps" in text
+    assert regime["why"] == "SAT is inert in every setting" and "the rule's last clause picked" in text
+    assert regime["picked"] == study.setting_tag(2e-4, 0.5) and "lr 2e-4 / router bias 0.5" in text
+    picked = verdicts[regime["picked"]]
+    assert picked["intercepted_frac"] == max(v["intercepted_frac"] for v in verdicts.values())
+    lag1, lag8 = re.search(r"lr 2e-4: ([\d.]+) -> ([\d.]+)\)", text).groups()
+    accs = {s["lag"]: s["heldout_acc"] for s in search if s["tag"] == regime["picked"] and s["arm"] == "gspo_r3"}
+    assert (printed_as(accs[1], lag1), printed_as(accs[8], lag8)) == (lag1, lag8)
+    assert accs[1] - accs[8] == pytest.approx(picked["lag8_drop"])
+    intercepting = re.search(r"\(lr 2e-4: (\d+%)\)", text).group(1)
+    assert printed_as(picked["intercepted_steps_frac"], intercepting) == intercepting
+    below = re.search(r"`q < log\(1\.2\)` on (\d+%) of lag-8 steps", text).group(1)
+    assert printed_as(picked["q_below_radius_frac"], below) == below
+
+
+def test_docs_sat_tables_the_committed_search():
+    """Every row of docs/sat.md's "The range, measured" table (q median, share of steps below the
+    radius, share of steps intercepting, intercepted share of tokens) is recomputed here from the
+    committed search_runs.csv (one seed per cell), and so is the text's "at most about 2% of tokens"."""
+    import re
+
+    search = committed_search()
+    text = doc_section("docs/sat.md", "### The range, measured")
+    arms = {"GSPO": "gspo", "GSPO + R3": "gspo_r3"}
+    row = r"\| ([\de.-]+) \| ([\d.]+) \| (\d+) \| (GSPO(?: \+ R3)?) \| " + r"([^|]+)\|" * 4
+    rows = re.findall(row, text)
+    assert len(rows) == 7
+    for lr, bias, lag, arm, *cells in rows:
+        tag = f"lr{float(lr):g}-rb{float(bias):g}"
+        (run,) = [s for s in search if (s["tag"], s["lag"], s["arm"]) == (tag, int(lag), arms[arm])]
+        keys = ("q_median", "q_below_radius_frac", "intercepted_steps_frac", "intercepted_frac")
+        for key, cell in zip(keys, cells, strict=True):
+            assert printed_as(run[key], cell.strip()) == cell.strip(), (tag, lag, arm, key)
+    reach = re.search(r"at most about (\d+%) of tokens", text).group(1)
+    assert printed_as(max(s["intercepted_frac"] for s in search), reach) == reach
+
+
+def test_docs_study_quotes_the_committed_activity():
+    """docs/study.md's paragraph on SAT's activity at lag 8 (per run over the 16 primary seeds: the
+    range of q's median and of the share of steps with q below the clip radius, per arm; the mean
+    intercepted share of tokens) is recomputed here from the committed runs.csv. The gate rate is
+    not in any committed file: the paragraph says so."""
+    import re
+
+    runs = committed_runs(".")
+    text = doc_section("docs/study.md", "### The confirmatory result")
+    text = text[text.index("SAT's activity at lag 8") : text.index("**Stabilizers at lag 8**")]
+    assert "from the runs' logs, not committed" in text
+    found = re.search(
+        r"median of ([\d.]+)-([\d.]+) in SAT-GSPO \+ R3 and, counterfactually, ([\d.]+)-([\d.]+) in GSPO \+ R3, "
+        r"below the clip radius 0.18 on (\d+)-(\d+)% and (\d+)-(\d+)% of steps; and about (\d+)% of tokens",
+        text,
+    ).groups()
+    found = found[:4] + tuple(f"{share}%" for share in found[4:])  # "91-96%": each a percentage
+    cells = {arm: [r for r in runs if r["arm"] == arm and r["lag"] == 8] for arm in ("sat_gspo_r3", "gspo_r3")}
+    assert [len(c) for c in cells.values()] == [16, 16]
+    recomputed = []
+    for key in ("q_median", "q_below_radius_frac"):
+        for cell in cells.values():
+            values = [float(r[key]) for r in cell]
+            recomputed += [min(values), max(values)]
+    shares = [float(r["intercepted_frac"]) for cell in cells.values() for r in cell]
+    recomputed.append(sum(shares) / len(shares))
+    assert [printed_as(v, t) for v, t in zip(recomputed, found, strict=True)] == list(found)
+
+
+def test_docs_study_text_repeats_the_committed_numbers(study):
+    """The numbers docs/study.md's text repeats outside its tables (the stabilizers' reading, the
+    dose-response's ends and gaps, the smallest 5-pair Wilcoxon p, and the summary's effect and
+    dbar_pi) are recomputed here from the committed runs.csv files."""
+    import re
+
+    from verl_sat.study.stats import wilcoxon_signed_rank
+
+    protocol = study.read_protocol()
+    ref, arm = protocol["primary"]
+    first, second = committed_runs("."), committed_runs("warmup_a44e53f")
+    text = doc_section("docs/study.md", "### The confirmatory result")
+    cispo = study.paired(second, "cispo_r3", ref, 8, "heldout_acc")
+    reach = re.search(r"CISPO is lower on average \(its interval reaches ([+-][\d.]+)\)", text).group(1)
+    assert cispo["diff"] < 0 and f"{cispo['ci'][1]:+.{len(reach) - 3}f}" == reach
+    dppo = study.paired(second, "dppo_tv_r3", ref, 8, "heldout_acc")
+    positive = {r["seed"]: r["heldout_acc"] for r in second if r["arm"] == "dppo_tv_r3"}
+    baseline = {r["seed"]: r["heldout_acc"] for r in second if r["arm"] == ref and r["lag"] == 8}
+    assert dppo["diff"] > 0 and all(positive[s] > baseline[s] for s in baseline) and len(baseline) == 5
+    assert "DPPO-TV higher (all five pairs positive)" in text
+    dose = {n: study.paired(second, arm, ref, n, "heldout_acc") for n in protocol["dose_lags"]}
+    low, high = min(dose), max(dose)
+    ends = re.search(
+        rf"\(([\d.]+) at lag {low} to ([\d.]+) at lag {high}\); SAT-GSPO \+ R3 is above it at every lag and "
+        r"loses less \(([\d.]+) to ([\d.]+)\)",
+        text,
+    ).groups()
+    recomputed = [dose[low]["ref_mean"], dose[high]["ref_mean"], dose[low]["arm_mean"], dose[high]["arm_mean"]]
+    assert [printed_as(v, t) for v, t in zip(recomputed, ends, strict=True)] == list(ends)
+    assert all(r["diff"] > 0 for r in dose.values()) and recomputed[2] - recomputed[3] < recomputed[0] - recomputed[1]
+    gaps = re.search(r"the gap is about (\d+)-(\d+) points at lags 1-4 and (\d+)-(\d+) points at 8-16", text).groups()
+    points = [round(100 * dose[n]["diff"]) for n in protocol["dose_lags"]]
+    near = [p for n, p in zip(dose, points, strict=True) if n <= 4]
+    far = [p for n, p in zip(dose, points, strict=True) if n >= 8]
+    assert [str(p) for p in (min(near), max(near), min(far), max(far))] == list(gaps)
+    smallest = re.search(r"the smallest exact two-sided Wilcoxon p with 5 pairs is ([\d.]+)\)", text).group(1)
+    assert f"{wilcoxon_signed_rank([0.01, 0.02, 0.03, 0.04, 0.05])[1]:.4f}" == smallest
+    primary = study.paired(first, arm, ref, protocol["stress_lag"], "heldout_acc")
+    summary = doc_section("docs/study.md", "### What this does and does not say")
+    size = re.search(r"by about (\d+) points of held-out accuracy, on (\d+) seeds", summary).groups()
+    assert (str(round(100 * primary["diff"])), str(primary["seeds"])) == size
+    mismatch = study.paired(first, arm, ref, protocol["stress_lag"], "dbar_pi_final")
+    quoted_pi = re.search(r"`dbar_pi` ([\d.]+) against ([\d.]+)\)", summary).groups()
+    recomputed = [mismatch["arm_mean"], mismatch["ref_mean"]]
+    assert [printed_as(v, t) for v, t in zip(recomputed, quoted_pi, strict=True)] == list(quoted_pi)
