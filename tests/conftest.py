@@ -16,7 +16,7 @@ from verl_sat import SATPolicyLossConfig
 REPO = Path(__file__).resolve().parents[1]
 SHARED_DATA = Path(os.environ.get("VERL_SAT_SHARED_DATA", REPO.parent / "shared" / "data"))
 # under CI=true every skip fails (tests/shared_data_ci.py); re-exported: the hooks
-from shared_data_ci import pytest_make_collect_report, pytest_runtest_makereport  # noqa: E402, F401
+from shared_data_ci import in_ci, pytest_make_collect_report, pytest_runtest_makereport  # noqa: E402, F401
 
 
 def actor_config(
@@ -87,3 +87,48 @@ def cached_default_assets() -> Path:
     assets = default_assets_dir()
     build_assets_once(assets)
     return assets
+
+
+@pytest.fixture(scope="session")
+def assets(tmp_path_factory) -> Path:
+    """The embedded tiny MoE and task with a short warm-up (the end-to-end tests need no reward
+    signal), built once per test session for every module that launches the job (here, not
+    imported into each module: an imported session fixture is a new fixture per module, built again).
+    A module may define its own ``assets`` (tests/test_main_on_cpu.py's stand-in files)."""
+    from verl_sat.default.warmup import WarmupArgs, build
+
+    out = tmp_path_factory.mktemp("assets")
+    build(out, WarmupArgs(steps=20, eval_samples=8))
+    return out
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Under CI (``CI=true``, as .ci/run's environment sets it) print the 25 slowest tests, so every
+    CI log shows where the suite's time goes; the README's command stays ``python -m pytest -q``."""
+    if in_ci() and not config.option.durations:
+        config.option.durations = 25
+
+
+EXTENDED_ENV = "VERL_SAT_EXTENDED"
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Leave the ``extended`` launches out unless asked (``VERL_SAT_EXTENDED=1``, or a ``-m``
+    expression naming ``extended``): deselected, not skipped, and said in the summary, so the
+    default run (and CI's) stays under its time budget (tests/README.md says which and who runs them)."""
+    asked = os.environ.get(EXTENDED_ENV, "") not in ("", "0") or "extended" in (config.option.markexpr or "")
+    if asked:
+        return
+    extended = [item for item in items if item.get_closest_marker("extended")]
+    if extended:
+        config.hook.pytest_deselected(items=extended)
+        items[:] = [item for item in items if not item.get_closest_marker("extended")]
+        config._verl_sat_extended = len(extended)  # type: ignore[attr-defined]
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
+    left = getattr(config, "_verl_sat_extended", 0)
+    if left:
+        terminalreporter.write_line(
+            f"{left} extended end-to-end test(s) left out (tests/README.md); {EXTENDED_ENV}=1 runs them"
+        )

@@ -52,6 +52,7 @@ def wait_until_up(url: str, server: subprocess.Popen, log: Path) -> None:
     pytest.fail(f"vLLM's server did not answer within {SERVER_START_S} s:\n{log.read_text()[-3000:]}")
 
 
+@pytest.mark.extended  # tests/README.md: left out of the default run for CI time
 def test_vllm_killed_mid_evaluation(tmp_path: Path) -> None:
     """A killed server ends the evaluation with one line and its samples kept; --resume draws only the rest."""
     pytest.importorskip("vllm")  # in the test, not the module: under CI=true the skip fails (tests/shared_data_ci.py)

@@ -68,12 +68,14 @@ def running(cmd: list[str], cwd: Path, log: Path) -> Iterator[subprocess.Popen]:
             os.killpg(job.pid, signal.SIGKILL)
 
 
-def kill_and_wait(job: subprocess.Popen, pid: int, timeout: float = 120) -> tuple[int, float]:
-    """SIGKILL one process the job registered; the job's exit status and the seconds it took to exit."""
+def kill_and_wait(job: subprocess.Popen, pid: int, timeout: float = 120) -> int:
+    """SIGKILL one process the job registered; the job's exit status. A hang guard, not a
+    measurement: a job still running ``timeout`` seconds later fails the test, saying so."""
     os.kill(pid, signal.SIGKILL)
-    killed_at = time.monotonic()
-    rc = job.wait(timeout=timeout)
-    return rc, time.monotonic() - killed_at
+    try:
+        return job.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"the job did not exit within {timeout:g} s of the death of pid {pid}")
 
 
 def one_error_line(console: str, name: str, pid: int) -> str:
@@ -155,8 +157,10 @@ def test_rollback_undoes_a_transient_fault_and_a_persistent_one_ends_the_run(cac
 def test_killed_job_resumes_and_a_dead_rollout_server_stops_the_job(cached_default_assets, tmp_path):
     """SIGKILL of the job's process group after the checkpoint of step 2; the same command
     resumes; in that attempt the HF rollout server is killed (by its registered pid) after the
-    checkpoint of step 4: the job exits 4 within 60 s with one line; the same command then runs
-    to the end. One timeline of steps 1-6, and no prompt trained twice or skipped.
+    checkpoint of step 4: the job exits 4 with one line and the fault in run.json; the tracker is
+    then torn (emptied, as a kill during verl's rewrite leaves it), and the same command repairs it
+    to the newest complete checkpoint and runs to the end. One timeline of steps 1-6, and no
+    prompt trained twice or skipped.
 
     The job is the default (separate_async, lag 2) with one response per micro-batch: docs/sat.md#the-rule
     step 2 at the paper's shape in miniature, checked on every step of the timeline. A
@@ -180,16 +184,24 @@ def test_killed_job_resumes_and_a_dead_rollout_server_stops_the_job(cached_defau
     with running(cmd, tmp_path, tmp_path / "a2.log") as second:
         wait_for(lambda: read_tracker(run_dir / "checkpoints") == 4 and 5 in logged_steps(run_dir), second)
         (server,) = [json.loads(p.read_text()) for p in (run_dir / "processes").glob("rollout_replica_*.json")]
-        rc, took = kill_and_wait(second, server["pid"])
-    assert took < 60
+        rc = kill_and_wait(second, server["pid"])  # bounded: a job that hangs fails the wait
     console2 = (tmp_path / "a2.log").read_text()
     assert rc == EXIT_PROCESS_DIED, console2[-4000:]
     error = one_error_line(console2, "rollout replica", server["pid"])
     assert "prompt(s) in flight" in error and "resumes from the checkpoint of step 4" in error
     assert "resuming from the checkpoint of step 2" in console2
+    # the fault is on record, as docs/faults.md promises
+    fault = json.loads((run_dir / "run.json").read_text())["fault"]
+    assert (fault["kind"], fault["pid"]) == ("rollout replica", server["pid"])
+    assert fault["step"] > 4 and f"died during global step {fault['step']}:" in error  # the line's step
+    assert fault["in_flight_prompts"] > 0
+    # a kill while verl rewrites its tracker leaves it empty: the resume repairs it first
+    (run_dir / "checkpoints" / "latest_checkpointed_iteration.txt").write_text("")
     # attempt 3: resumes from 4 and completes
     third = subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT_S, env=env(), cwd=tmp_path)
     assert third.returncode == 0, (third.stdout + third.stderr)[-6000:]
+    assert "is empty or torn; resuming from the newest complete checkpoint, global_step_4" in third.stdout
+    assert "resuming from the checkpoint of step 4" in third.stdout
     assert logged_steps(run_dir) == [1, 2, 3, 4, 5, 6]  # no step missing, none twice
     superseded = [int(r["step"]) for r in read_jsonl(run_dir / "metrics.superseded.jsonl")]
     assert 3 in superseded and 5 in superseded  # the redone steps' rows are kept aside

@@ -231,6 +231,35 @@ def test_main_refuses_an_unwritable_run_dir_before_ray(tmp_path: Path):
         make_run_dir(cfg, SATRecipeConfig.from_node(cfg.sat))
 
 
+@pytest.mark.parametrize("save_freq", [1, -1])
+def test_main_refuses_an_unwritable_checkpoint_dir_before_ray(tmp_path: Path, save_freq: int):
+    """Guards make_run_dir's checkpoint-directory probe: a writable run directory with
+    ``trainer.default_local_dir`` under a file fails before Ray starts, naming the key and the
+    path, and nothing is left half-made; without saves (save_freq -1) the directory is not needed."""
+    from verl_sat.trainer.launch import make_run_dir
+
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    checkpoints = blocker / "ckpt"
+    cfg = OmegaConf.create(
+        {
+            "sat": {"run_dir": str(tmp_path / "run")},
+            "trainer": {
+                "experiment_name": "e",
+                "logger": ["console"],
+                "default_local_dir": str(checkpoints),
+                "save_freq": save_freq,
+            },
+        }
+    )
+    if save_freq < 0:
+        assert make_run_dir(cfg, SATRecipeConfig.from_node(cfg.sat)) == tmp_path / "run"
+        return
+    with pytest.raises(OSError, match=rf"trainer.default_local_dir: cannot write to {checkpoints}"):
+        make_run_dir(cfg, SATRecipeConfig.from_node(cfg.sat))
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
 # ---------------------------------------------------------------------------------------------
 # config and the exit status
 # ---------------------------------------------------------------------------------------------

@@ -200,6 +200,17 @@ def test_server_batches_concurrent_requests_and_tags_version(ray_cluster, model_
     ray_cluster.kill(server)
 
 
+def until(predicate, what: str, timeout: float = 120.0) -> None:
+    """Wait for ``predicate`` (polled every 50 ms); a hang guard: fails naming ``what`` after ``timeout`` s."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out after {timeout:g} s waiting for: {what}")
+        time.sleep(0.05)
+
+
 def test_server_abort_resume_and_weight_version(ray_cluster, model_dir: Path) -> None:
     from verl_sat.rollout.server import HFRolloutServer
 
@@ -213,12 +224,24 @@ def test_server_abort_resume_and_weight_version(ray_cluster, model_dir: Path) ->
     # never stop at EOS, so the request is still running when we abort
     ray_cluster.get(server.__ray_call__.remote(lambda self: setattr(self.engine, "eos_token_ids", set())))
     prompt = _prompts(model_dir, 1)[0]
+
+    def count_decode_steps(self) -> None:
+        """The engine polls the abort flag before every decode step: count the polls."""
+        import threading
+
+        class Counting(threading.Event):
+            polls = 0
+
+            def is_set(self) -> bool:
+                Counting.polls += 1
+                return super().is_set()
+
+        self._abort = Counting()
+
+    ray_cluster.get(server.__ray_call__.remote(count_decode_steps))
     ref = server.generate.remote(prompt, {"max_tokens": 400}, "long")
-
-    async def _abort_soon() -> None:
-        await asyncio.sleep(1.0)
-
-    asyncio.run(_abort_soon())
+    # abort once a few tokens are out (an event, not a sleep): the request is mid-decode
+    until(lambda: ray_cluster.get(server.__ray_call__.remote(lambda self: type(self._abort).polls)) >= 4, "decoding")
     ray_cluster.get(server.abort_all_requests.remote())
     partial = ray_cluster.get(ref)
     assert partial.stop_reason == "aborted"
@@ -227,9 +250,31 @@ def test_server_abort_resume_and_weight_version(ray_cluster, model_dir: Path) ->
     # new weights (same values) at version 2, then resume from the partial tokens
     state = ray_cluster.get(server.__ray_call__.remote(lambda self: self.engine.model.state_dict()))
     ray_cluster.get(server.update_weights.remote(state, 2))
+
+    def count_gate_waiters(self) -> None:
+        """The gate abort_all_requests closed, counting the requests held at it (same state: closed)."""
+
+        class Gate(asyncio.Event):
+            waiting = 0
+
+            async def wait(self) -> bool:
+                self.waiting += 1
+                try:
+                    return await super().wait()
+                finally:
+                    self.waiting -= 1
+
+        assert not self._gate.is_set()
+        self._gate = Gate()
+
+    ray_cluster.get(server.__ray_call__.remote(count_gate_waiters))
+    batches = ray_cluster.get(server.__ray_call__.remote(lambda self: len(self.batch_sizes)))
     held = server.generate.remote(prompt + partial.token_ids, {"max_tokens": 3}, "resume")
-    ready, _ = ray_cluster.wait([held], timeout=0.5)
+    until(lambda: ray_cluster.get(server.__ray_call__.remote(lambda self: self._gate.waiting)) == 1, "held at the gate")
+    # held: at the gate, unanswered, and no batch decoded since the abort, until resume_generation
+    ready, _ = ray_cluster.wait([held], timeout=0)
     assert not ready, "requests must wait for resume_generation after an abort"
+    assert ray_cluster.get(server.__ray_call__.remote(lambda self: len(self.batch_sizes))) == batches
     ray_cluster.get(server.resume_generation.remote())
     resumed = ray_cluster.get(held)
     assert len(resumed.token_ids) == 3 and resumed.extra_fields["global_steps"] == 2

@@ -434,7 +434,9 @@ FAKE_PYTHON = """#!/usr/bin/env bash
 # The grid's own python for verl_sat.paper.grid; a stand-in for the preflight and the launch that
 # reads its stdin to the end (as a process that prompts would) and fails the cell named in FAIL_CELL.
 set -u
-if [[ "$2" == verl_sat.paper.grid ]]; then exec {python} "$@"; fi
+# the grid's list is the real one; a cell's overrides only need its run directory here
+if [[ "$2 $3" == "verl_sat.paper.grid --list" ]]; then exec {python} "$@"; fi
+if [[ "$2 $3" == "verl_sat.paper.grid --overrides" ]]; then echo "sat.run_dir=$7"; exit 0; fi
 if [[ "$2" == verl_sat.preflight ]]; then exit 0; fi
 run_dir=$(printf '%s\\n' "$@" | sed -n 's/^sat.run_dir=//p')
 stdin=$(cat)

@@ -15,7 +15,7 @@ import os
 
 import pytest
 from test_faults_e2e import command, kill_and_wait, logged_steps, one_error_line, running, wait_for
-from test_main_e2e import assets, check_sat_run, run_main  # noqa: F401  (the session fixture and the launcher)
+from test_main_e2e import check_sat_run, run_main
 
 from verl_sat.files import read_jsonl
 from verl_sat.trainer.supervisor import EXIT_PROCESS_DIED
@@ -31,7 +31,7 @@ def mean_mismatch(rows: list[dict]) -> float:
     return sum(r["actor/mismatch_abs_mean"] for r in rows) / len(rows)
 
 
-def test_r3_on_two_data_parallel_ranks_then_a_trainer_worker_dies(assets, tmp_path):  # noqa: F811
+def test_r3_on_two_data_parallel_ranks_then_a_trainer_worker_dies(assets, tmp_path):
     """One launch, three checks (CI time: each launch is ~1 min of start-up).
 
     1. R3 under router noise, sync, two data-parallel trainer ranks, one response per micro-batch:
@@ -54,8 +54,7 @@ def test_r3_on_two_data_parallel_ranks_then_a_trainer_worker_dies(assets, tmp_pa
         wait_for(lambda: len(logged_steps(run_dir)) >= 2 and record.is_file(), job)
         worker = json.loads(record.read_text())
         assert worker["pid"] not in (job.pid, os.getpid())
-        rc, took = kill_and_wait(job, worker["pid"])
-    assert took < 60
+        rc = kill_and_wait(job, worker["pid"])  # bounded: a hang fails the wait
     console = (tmp_path / "job.log").read_text()
     rows = [{"step": r["step"], **r["data"]} for r in read_jsonl(run_dir / "metrics.jsonl")][:2]
     # 1. R3
@@ -79,7 +78,8 @@ def test_r3_on_two_data_parallel_ranks_then_a_trainer_worker_dies(assets, tmp_pa
     assert logged_steps(run_dir)[-1] < 8  # stopped, not finished
 
 
-def test_r2_records_in_compute_log_prob_and_replays_in_the_update(assets, tmp_path):  # noqa: F811
+@pytest.mark.extended  # tests/README.md: left out of the default run for CI time
+def test_r2_records_in_compute_log_prob_and_replays_in_the_update(assets, tmp_path):
     """R2 (decoupled mode) in colocate_async: the trainer's own routes of compute_log_prob, replayed
     in update_actor; the run also stands for colocate_async's SAT metrics and staleness bound.
 

@@ -5,7 +5,8 @@ verl 0.9.1's ``_save_checkpoint`` pickles the whole queue into ``global_step_k/t
 its ``trainer.max_actor_ckpt_to_keep`` removes only ``global_step_k/actor``. ``prune_snapshots``
 removes the rest of a pruned step, never the tracked one nor one whose actor verl kept. Here: on a
 fake directory tree, through verl's own ``_save_checkpoint`` and checkpoint-manager retention
-(``BaseCheckpointManager.register_checkpoint``), and in one end-to-end CPU run (about 2.5 min).
+(``BaseCheckpointManager.register_checkpoint``), and in one end-to-end CPU run (about 2.5 min) that
+also fills the disk at its last save.
 """
 
 from __future__ import annotations
@@ -178,11 +179,16 @@ def test_verls_save_keeps_as_many_snapshots_as_actors(tmp_path: Path, monkeypatc
 # end to end: the default CPU job, a save every step, one checkpoint kept
 # ---------------------------------------------------------------------------------------------
 @pytest.mark.e2e
-def test_a_cpu_run_keeps_only_the_kept_steps_snapshot(cached_default_assets: Path, tmp_path: Path) -> None:
-    """``python -m verl_sat.main`` on the CPU default (separate_async, lag 2), 3 steps with
-    ``save_freq=1`` and ``max_actor_ckpt_to_keep=1``: verl saves an actor checkpoint and a
-    TransferQueue snapshot every step and keeps one actor checkpoint; of steps 1 and 2 nothing is
-    left, step 3 is complete (actor, data.pt, snapshot) and is what a resume starts from."""
+def test_a_cpu_run_keeps_only_the_kept_snapshots_and_a_full_disk_ends_it(cached_default_assets: Path, tmp_path: Path):
+    """``python -m verl_sat.main`` on the CPU default (separate_async, lag 2), 4 steps with
+    ``save_freq=1`` and ``max_actor_ckpt_to_keep=2``, the disk filling during step 4's checkpoint
+    (``sat.faults.checkpoint_enospc_step=4``). One launch for two guards (CI time):
+
+    - snapshots go with their actors: after step 3's save verl pruned step 1's actor and verl-sat
+      its snapshot, so nothing of step 1 is left;
+    - a full disk (``FaultMixin._save_checkpoint``) stops the job with exit 1 and its line naming the
+      path, and the tracker still names step 3, complete, which is what a resume loads. Step 4's
+      half-written save stays (verl wrote its actor first), and no pruning follows a failed save."""
     run_dir = tmp_path / "run"
     cmd = [
         sys.executable,
@@ -190,19 +196,26 @@ def test_a_cpu_run_keeps_only_the_kept_steps_snapshot(cached_default_assets: Pat
         "verl_sat.main",
         f"sat.assets_dir={cached_default_assets}",
         f"sat.run_dir={run_dir}",
-        "trainer.total_training_steps=3",
+        "trainer.total_training_steps=4",
         "trainer.save_freq=1",
-        "trainer.max_actor_ckpt_to_keep=1",
+        "trainer.max_actor_ckpt_to_keep=2",
+        "sat.faults.checkpoint_enospc_step=4",
     ]
     env = {k: v for k, v in os.environ.items() if not k.startswith(("VERL_FILE_LOGGER", "VERL_SAT_RUN_DIR"))}
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=tmp_path)
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env, cwd=tmp_path)
     console = out.stdout + out.stderr
-    assert out.returncode == 0, console[-6000:]
+    assert out.returncode == 1, console[-6000:]
     checkpoints = run_dir / "checkpoints"
-    assert checkpoint_steps(checkpoints) == [3]
+    errors = [line for line in out.stdout.splitlines() if line.startswith("[verl-sat] error: the checkpoint of step 4")]
+    assert len(errors) == 1, console[-6000:]
+    assert "No space left on device" in errors[0] and str(checkpoints / "global_step_4") in errors[0]
+    assert "the latest checkpoint stays global_step_3" in errors[0]
+    assert checkpoint_steps(checkpoints) == [2, 3, 4]  # step 1: actor (verl) and snapshot (verl-sat) gone
     assert names(checkpoints / "global_step_3") == {"actor", "data.pt", "transfer_queue"}
     assert (checkpoints / "global_step_3" / "transfer_queue" / "metadata.json").is_file()
+    assert "actor" not in names(checkpoints / "global_step_2")  # verl's keep-2 during step 4's save
+    assert not checkpoint_complete(checkpoints / "global_step_4")
     assert read_tracker(checkpoints) == 3 and latest_checkpoint(checkpoints, async_mode=True) == 3
     logs = console + (run_dir / "console.log").read_text()
     assert "removed the TransferQueue snapshot of global_step_1" in logs
-    assert "removed the TransferQueue snapshot of global_step_2" in logs
+    assert "removed the TransferQueue snapshot of global_step_2" not in logs  # nothing after the failed save

@@ -80,3 +80,35 @@ def test_vllm_processes_are_told_apart_from_its_helpers(tmp_path, monkeypatch):
     supervisor.register_vllm_process()
     (entry,) = [json.loads(p.read_text()) for p in (tmp_path / "processes").glob("*.json")]
     assert entry["name"] == "vllm3" and entry["kind"] == "rollout replica" and entry["pid"] == os.getpid()
+
+
+STUCK_DRIVER = """
+import os, subprocess, sys, time
+from pathlib import Path
+from verl_sat.trainer import supervisor
+
+run_dir = Path(sys.argv[1])
+os.environ[supervisor.RUN_DIR_ENV] = str(run_dir)
+supervisor.GRACE_S = 1.0
+dead = subprocess.Popen([sys.executable, "-c", "pass"])
+dead.wait()
+supervisor.register("rollout replica", "hf0", pid=dead.pid)
+with supervisor.Supervisor(run_dir, total_steps=10, interval=0.1):
+    time.sleep(600)  # a driver stuck where the interrupt cannot reach it (a blocking C call)
+print("the driver outlived the supervisor")
+"""
+
+
+def test_a_driver_the_interrupt_cannot_reach_is_ended_after_the_grace_period(tmp_path):
+    """Guards the supervisor's forced exit (``os._exit(4)`` after ``GRACE_S``): a driver blocked
+    in a call that ``interrupt_main`` cannot break still ends with exit 4, its one error line and
+    the fault in run.json. Without the forced exit the child sleeps for 10 minutes and the bounded
+    wait below fails."""
+    run = subprocess.run(
+        [sys.executable, "-c", STUCK_DRIVER, str(tmp_path)], capture_output=True, text=True, timeout=120
+    )
+    assert run.returncode == EXIT_PROCESS_DIED, run.stdout + run.stderr
+    errors = [line for line in run.stdout.splitlines() if line.startswith("[verl-sat] error: rollout replica hf0")]
+    assert len(errors) == 1 and "the driver outlived" not in run.stdout
+    fault = json.loads((tmp_path / "run.json").read_text())["fault"]
+    assert (fault["kind"], fault["name"]) == ("rollout replica", "hf0")

@@ -14,7 +14,7 @@ import json
 
 import pytest
 from test_faults_e2e import command, kill_and_wait, logged_steps, one_error_line, running, wait_for
-from test_main_e2e import assets, check_sat_run, run_main  # noqa: F401  (the session fixture and the launcher)
+from test_main_e2e import check_sat_run, run_main
 
 from verl_sat.files import read_jsonl
 from verl_sat.trainer.supervisor import EXIT_PROCESS_DIED
@@ -26,7 +26,8 @@ FP32_NOISE = 1e-3  # dbar_pi of an fp32 vLLM against the fp32 trainer: ~1e-5 mea
 BF16_GAP = 1e-3  # dbar_pi of a bf16 vLLM against the fp32 trainer: ~5e-3 measured
 
 
-def test_vllm_sync_bf16_rollout_decoupled(assets, tmp_path):  # noqa: F811
+@pytest.mark.extended  # tests/README.md: left out of the default run for CI time
+def test_vllm_sync_bf16_rollout_decoupled(assets, tmp_path):
     """Sync on vLLM with a bf16 rollout against the fp32 trainer: the mismatch the decoupled
     option (docs/sat.md#which-log-probs) is for. The ratio is taken against the trainer's recomputed old log-probs,
     the SAT score and dbar_pi against mu, the bf16 rollout's log-probs."""
@@ -55,7 +56,7 @@ def test_vllm_sync_bf16_rollout_decoupled(assets, tmp_path):  # noqa: F811
     assert "vLLMHttpServer" in (tmp_path / "run" / "console.log").read_text()  # verl's own server ran
 
 
-def test_vllm_separate_async_lag2_with_r3_then_its_engine_dies(assets, tmp_path):  # noqa: F811
+def test_vllm_separate_async_lag2_with_r3_then_its_engine_dies(assets, tmp_path):
     """separate_async at lag 2 with R3: routes captured by vLLM's CPU MoE kernel
     (verl_sat.cpu.vllm.capture_cpu_moe_routes) reach the FSDP replay engine through verl's agent loop.
     After two steps, vLLM's engine core (registered through verl-sat's vLLM plugin,
@@ -70,8 +71,7 @@ def test_vllm_separate_async_lag2_with_r3_then_its_engine_dies(assets, tmp_path)
         assert sorted(entries) == ["vllm0", "vllm0.EngineCore"], entries  # no helper process among them
         engine = entries["vllm0.EngineCore"]
         assert engine["pid"] != entries["vllm0"]["pid"]
-        rc, took = kill_and_wait(job, engine["pid"])
-    assert took < 60
+        rc = kill_and_wait(job, engine["pid"])  # bounded: a hang fails the wait
     console = (tmp_path / "job.log").read_text()
     rows = [{"step": r["step"], **r["data"]} for r in read_jsonl(run_dir / "metrics.jsonl")]
     check_sat_run(rows[:2], lag=2)
