@@ -298,6 +298,8 @@ def test_runtime_env_keeps_a_users_file_logger_path(monkeypatch):
 
     monkeypatch.setenv("VERL_FILE_LOGGER_PATH", "/run/metrics.jsonl")
     monkeypatch.delenv("VERL_SAT_RUN_DIR", raising=False)  # set by any make_run_dir earlier in the process
+    for name in ("VERL_PLATFORM", "VERL_ENGINE_DEVICE", "OMP_NUM_THREADS", "TOKENIZERS_PARALLELISM", "RAY_DEDUP_LOGS"):
+        monkeypatch.delenv(name, raising=False)  # set_platform_env (any prepare earlier in the process)
     cfg = OmegaConf.create({"ray_kwargs": {"ray_init": {"runtime_env": {"env_vars": {"VERL_FILE_LOGGER_PATH": "/u"}}}}})
     pass_env_to_ray(cfg)
     assert cfg.ray_kwargs.ray_init.runtime_env.env_vars == {"VERL_FILE_LOGGER_PATH": "/u"}

@@ -24,6 +24,7 @@ from typing import Any
 import hydra
 from omegaconf import DictConfig, OmegaConf, open_dict
 
+from verl_sat.cluster.paths import prepare_cluster
 from verl_sat.default.assets import ensure_default_assets, is_unset
 from verl_sat.files import METRICS_FILE, hydra_config_dir, read_metrics
 from verl_sat.paper.table import derive_method
@@ -90,6 +91,7 @@ def prepare(cfg: DictConfig) -> tuple[SATRecipeConfig, Path]:
     launch.set_platform_env(cfg)
     run_dir = launch.make_run_dir(cfg, sat)
     launch.pass_env_to_ray(cfg)
+    prepare_cluster(cfg, run_dir, log=say)  # a cluster started beforehand: every path checked on every node
     launch.write_run_record(run_dir, cfg, sat, derived, filled)
     return sat, run_dir
 

@@ -6,6 +6,7 @@
 #   DRY_RUN=1 recipes/sat_paper/run.sh grpo 1      # print the commands instead of running them
 #   SAT_SKIP_PREFLIGHT=1 recipes/sat_paper/run.sh grpo 1   # launch without python -m verl_sat.preflight
 #   recipes/sat_paper/run.sh sat_gspo_r3 8 --cfg job     # print the composed config (no GPU needed)
+#   recipes/sat_paper/run.sh sat_gspo_r3 8 ray_kwargs.ray_init.address=auto trainer.nnodes=2   # docs/cluster.md
 #
 # Hydra's print-only flags (--cfg/-c, --info/-i, --help/-h, --hydra-help) launch nothing, so they
 # skip the preflight and create no run directory.
@@ -35,15 +36,20 @@ PATHS=(
 export VERL_FILE_LOGGER_PATH=${RUN_DIR}/metrics.jsonl
 export CUDA_DEVICE_MAX_CONNECTIONS=1
 PRINT_ONLY=
+# Joining a Ray cluster started beforehand (docs/cluster.md): the cluster preflight, on every node.
+PREFLIGHT=verl_sat.preflight
+[[ -z ${RAY_ADDRESS:-} ]] || PREFLIGHT=verl_sat.cluster.preflight
 for arg in "$@"; do
     case "${arg}" in
         --cfg | --cfg=* | -c | --info | --info=* | -i | --help | -h | --hydra-help) PRINT_ONLY=1 ;;
+        ray_kwargs.ray_init.address=* | +ray_kwargs.ray_init.address=*) PREFLIGHT=verl_sat.cluster.preflight ;;
     esac
 done
 [[ -n ${DRY_RUN:-}${PRINT_ONLY} ]] || mkdir -p "${RUN_DIR}"
 
-# GPUs, packages, context length, memory, disk, data and reward against this cell (seconds).
-[[ -n ${SAT_SKIP_PREFLIGHT:-}${PRINT_ONLY} ]] || ${DRY_RUN:+echo} "${PYTHON}" -m verl_sat.preflight \
+# GPUs, packages, context length, memory, disk, data and reward against this cell (seconds); on a
+# cluster: GPUs, memory, disk, versions and the shared run directory on every node, and the layout.
+[[ -n ${SAT_SKIP_PREFLIGHT:-}${PRINT_ONLY} ]] || ${DRY_RUN:+echo} "${PYTHON}" -m "${PREFLIGHT}" \
     "${METHOD}" "${LAG}" --run-dir "${RUN_DIR}" "${PATHS[@]}" "$@"
 
 ${DRY_RUN:+echo} "${PYTHON}" -m verl_sat.main \

@@ -44,7 +44,20 @@ REQUIRED_KEYS = (MODEL_PATH_KEY, TRAIN_FILES_KEY, VAL_FILES_KEY)
 HUB_ID_RE = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 # Environment the Ray workers need from the driver, passed through Ray's runtime environment too:
 # on a cluster started beforehand (`ray start`), workers inherit the raylet's environment, not ours.
-RAY_ENV_VARS = ("VERL_FILE_LOGGER_PATH", RUN_DIR_ENV)
+# The platform variables (set_platform_env) and the plugin's (verl's VERL_USE_EXTERNAL_*) go too, with
+# every VERL_SAT_* variable (the rollout's knobs, the run directory): what a driver-side `export` sets.
+RAY_ENV_VARS = (
+    "VERL_FILE_LOGGER_PATH",
+    RUN_DIR_ENV,
+    "VERL_PLATFORM",
+    "VERL_ENGINE_DEVICE",
+    "OMP_NUM_THREADS",
+    "TOKENIZERS_PARALLELISM",
+    "RAY_DEDUP_LOGS",
+    "VERL_USE_EXTERNAL_MODULES",
+    "VERL_USE_EXTERNAL_PLUGINS",
+)
+RAY_ENV_PREFIX = "VERL_SAT_"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -144,8 +157,8 @@ def set_platform_env(cfg: DictConfig) -> None:
         os.environ.setdefault("RAY_DEDUP_LOGS", "0")
 
 
-def pass_env_to_ray(cfg: DictConfig, names: tuple[str, ...] = RAY_ENV_VARS) -> None:
-    """Add the driver's ``names`` to ``ray_kwargs.ray_init.runtime_env.env_vars``.
+def pass_env_to_ray(cfg: DictConfig, names: tuple[str, ...] = RAY_ENV_VARS, prefix: str = RAY_ENV_PREFIX) -> None:
+    """Add the driver's ``names`` and ``prefix*`` variables to ``ray_kwargs.ray_init.runtime_env.env_vars``.
 
     verl's ``run_ppo`` merges that node over its own defaults (``get_ppo_ray_runtime_env``) and
     passes it to ``ray.init``, so every worker of the job gets the variables, on a pre-started
@@ -157,7 +170,7 @@ def pass_env_to_ray(cfg: DictConfig, names: tuple[str, ...] = RAY_ENV_VARS) -> N
             if env_vars.get(key) is None:
                 env_vars[key] = {}
             env_vars = env_vars[key]
-        for name in names:
+        for name in dict.fromkeys([*names, *sorted(n for n in os.environ if prefix and n.startswith(prefix))]):
             if name in os.environ and name not in env_vars:
                 env_vars[name] = os.environ[name]
 
