@@ -6,10 +6,12 @@ rollout (replica and adapter), so that ``import verl`` stays as cheap as before.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import sys
 from collections.abc import Callable
 from types import ModuleType
+from typing import Any
 
 
 def when_imported(module_name: str, hook: Callable[[ModuleType], None]) -> None:
@@ -27,3 +29,19 @@ def when_imported(module_name: str, hook: Callable[[ModuleType], None]) -> None:
         hook(importlib.import_module(module_name))
         return
     wrapt.register_post_import_hook(hook, module_name)
+
+
+def wrap_once(owner: Any, name: str, marker: str, make: Callable[[Callable[..., Any]], Callable[..., Any]]) -> bool:
+    """Replace ``owner.<name>`` by ``make(original)``, unless it already carries ``marker``.
+
+    The replacement gets ``functools.wraps(original)`` (so ``__wrapped__`` is the original) and
+    ``marker`` set, so a second call (a re-import, a second hook) leaves it as it is. ``owner`` is
+    a class or an instance. Returns whether it wrapped.
+    """
+    original = getattr(owner, name)
+    if getattr(original, marker, False):
+        return False
+    wrapped = functools.wraps(original)(make(original))
+    setattr(wrapped, marker, True)
+    setattr(owner, name, wrapped)
+    return True

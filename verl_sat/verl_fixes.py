@@ -30,7 +30,6 @@ bug, named after the bug and the verl version it was read in. CPU-only fixes sta
 from __future__ import annotations
 
 import base64
-import functools
 import logging
 import sys
 from types import ModuleType
@@ -38,7 +37,7 @@ from typing import Any
 
 import numpy as np
 
-from verl_sat.hooks import when_imported
+from verl_sat.hooks import when_imported, wrap_once
 
 SEPARATE_ASYNC_LOGGER = "verl.trainer.ppo.v1.trainer_separate_async"
 SGLANG_HTTP_ENGINE_LOGGER = "verl.workers.rollout.sglang_rollout.http_server_engine"
@@ -48,6 +47,8 @@ SGLANG_OLD_CAPTURER_MODULE = "sglang.srt.layers.moe.routed_experts_capturer"
 # The SGLang releases whose routed-experts wire format (base64 of int32 [tokens, layers, top_k],
 # C order) was read in their source; the preflight warns on any other.
 SGLANG_ROUTES_FORMAT_VERSIONS = ("0.5.12",)
+# Set on the functions decode_sglang_routes wraps, so that each is wrapped once.
+ROUTES_MARKER = "__verl_sat_decodes_routes__"
 
 
 class FlushTolerantLogger(logging.Logger):
@@ -117,20 +118,18 @@ def route_shape(model_config: Any) -> tuple[int, int]:
 
 def decoding_generate_request(tokenizer_manager: Any, num_layers: int, top_k: int) -> None:
     """Make ``tokenizer_manager.generate_request`` yield outputs whose routes are decoded (once)."""
-    original = tokenizer_manager.generate_request
-    if getattr(original, "__verl_sat_decodes_routes__", False):
-        return
 
-    @functools.wraps(original)
-    async def generate_request(*args: Any, **kwargs: Any) -> Any:
-        async for output in original(*args, **kwargs):
-            meta_info = output.get("meta_info") if isinstance(output, dict) else None
-            if meta_info and meta_info.get("routed_experts") is not None:
-                meta_info["routed_experts"] = decode_routed_experts(meta_info["routed_experts"], num_layers, top_k)
-            yield output
+    def make(original: Any) -> Any:
+        async def generate_request(*args: Any, **kwargs: Any) -> Any:
+            async for output in original(*args, **kwargs):
+                meta_info = output.get("meta_info") if isinstance(output, dict) else None
+                if meta_info and meta_info.get("routed_experts") is not None:
+                    meta_info["routed_experts"] = decode_routed_experts(meta_info["routed_experts"], num_layers, top_k)
+                yield output
 
-    generate_request.__verl_sat_decodes_routes__ = True  # type: ignore[attr-defined]
-    tokenizer_manager.generate_request = generate_request
+        return generate_request
+
+    wrap_once(tokenizer_manager, "generate_request", ROUTES_MARKER, make)
 
 
 def old_capturer_module() -> ModuleType:
@@ -160,22 +159,19 @@ def has_old_capturer() -> bool:
 
 def decode_sglang_routes(server_module: ModuleType) -> None:
     """Wrap ``SGLangHttpServer.generate`` (verl's SGLang server actor) so that R3 requests decode."""
-    server = server_module.SGLangHttpServer
-    original = server.generate
-    if getattr(original, "__verl_sat_decodes_routes__", False):
-        return
 
-    @functools.wraps(original)
-    async def generate(self: Any, *args: Any, **kwargs: Any) -> Any:
-        if self.config.enable_rollout_routing_replay:
-            if self.config.skip_tokenizer_init:
-                decoding_generate_request(self.tokenizer_manager, *route_shape(self.model_config))
-            elif SGLANG_OLD_CAPTURER_MODULE not in sys.modules and not has_old_capturer():
-                sys.modules[SGLANG_OLD_CAPTURER_MODULE] = old_capturer_module()
-        return await original(self, *args, **kwargs)
+    def make(original: Any) -> Any:
+        async def generate(self: Any, *args: Any, **kwargs: Any) -> Any:
+            if self.config.enable_rollout_routing_replay:
+                if self.config.skip_tokenizer_init:
+                    decoding_generate_request(self.tokenizer_manager, *route_shape(self.model_config))
+                elif SGLANG_OLD_CAPTURER_MODULE not in sys.modules and not has_old_capturer():
+                    sys.modules[SGLANG_OLD_CAPTURER_MODULE] = old_capturer_module()
+            return await original(self, *args, **kwargs)
 
-    generate.__verl_sat_decodes_routes__ = True  # type: ignore[attr-defined]
-    server.generate = generate
+        return generate
+
+    wrap_once(server_module.SGLangHttpServer, "generate", ROUTES_MARKER, make)
 
 
 def sglang_routed_experts_base64_0_9_1_sglang_0_5_12() -> None:

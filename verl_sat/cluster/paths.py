@@ -29,6 +29,7 @@ from verl_sat.default.assets import (
     VAL_FILES_KEY,
     is_unset,
 )
+from verl_sat.trainer.launch import TOKENIZER_PATH_KEY
 
 RAY_INIT = "ray_kwargs.ray_init"
 # ray.init arguments that start a cluster; Ray refuses them (or ignores them) when it connects.
@@ -50,7 +51,7 @@ PATH_KEYS = (
     TRAIN_FILES_KEY,
     VAL_FILES_KEY,
     MODEL_PATH_KEY,
-    "actor_rollout_ref.model.tokenizer_path",
+    TOKENIZER_PATH_KEY,
     REWARD_PATH_KEY,
     LEGACY_REWARD_PATH_KEY,
     "sat.run_dir",

@@ -103,21 +103,17 @@ def register_sglang_processes(server: Any) -> None:
 
 def supervise_sglang_servers(server_module: Any) -> None:
     """Wrap ``SGLangHttpServer.launch_server`` so that each server registers its processes."""
-    import functools
+    from verl_sat.hooks import wrap_once
 
-    server = server_module.SGLangHttpServer
-    original = server.launch_server
-    if getattr(original, "__verl_sat_supervised__", False):
-        return
+    def make(original: Any) -> Any:
+        async def launch_server(self: Any, *args: Any, **kwargs: Any) -> Any:
+            result = await original(self, *args, **kwargs)
+            register_sglang_processes(self)
+            return result
 
-    @functools.wraps(original)
-    async def launch_server(self: Any, *args: Any, **kwargs: Any) -> Any:
-        result = await original(self, *args, **kwargs)
-        register_sglang_processes(self)
-        return result
+        return launch_server
 
-    launch_server.__verl_sat_supervised__ = True  # type: ignore[attr-defined]
-    server.launch_server = launch_server
+    wrap_once(server_module.SGLangHttpServer, "launch_server", "__verl_sat_supervised__", make)
 
 
 def watch_sglang_servers() -> None:
