@@ -161,3 +161,21 @@ def test_the_step_line_and_reward_png_show_the_intercepted_fraction(tmp_path, sa
 
 def job_summary_rows() -> list[dict]:
     return [{"step": s, "critic/score/mean": 0.1, "actor/sat_intercepted_frac": 0.01 * s} for s in range(1, 5)]
+
+
+def test_reward_png_gains_the_heldout_panel_from_the_rows(tmp_path, saved_figures):
+    """With ``sat.heldout`` the figure has a fifth panel: the held-out accuracy by optimizer step,
+    step 0 from the ``_initial`` keys, each later point at its row's ``eval/heldout_step``."""
+    rows = [timed_row(s, 1.0, 2.0, 4.0, 0.1 * s) for s in range(1, 5)]
+    rows[0].update({"eval/heldout_acc_initial": 0.05, "eval/heldout_greedy_acc_initial": 0.9})
+    rows[1].update({"eval/heldout_acc": 0.2, "eval/heldout_greedy_acc": 0.92, "eval/heldout_step": 16.0})
+    rows[3].update({"eval/heldout_acc": 0.4, "eval/heldout_greedy_acc": 0.95, "eval/heldout_step": 32.0})
+    job_summary.plot_job(rows, tmp_path / "reward.png")
+    *_, heldout = saved_figures["reward.png"].axes
+    assert len(saved_figures["reward.png"].axes) == 5 and heldout.get_title() == "held-out accuracy (sat.heldout)"
+    sampled, greedy = heldout.get_lines()
+    assert points(sampled) == at([(0, 0.05), (16, 0.2), (32, 0.4)])
+    assert points(greedy) == at([(0, 0.9), (16, 0.92), (32, 0.95)])
+    assert "held-out 0.200" in job_summary.progress_line(rows[1]) and "held-out" not in job_summary.progress_line(
+        rows[2]
+    )

@@ -188,7 +188,10 @@ def test_a_cpu_run_keeps_only_the_kept_snapshots_and_a_full_disk_ends_it(cached_
       its snapshot, so nothing of step 1 is left;
     - a full disk (``FaultMixin._save_checkpoint``) stops the job with exit 1 and its line naming the
       path, and the tracker still names step 3, complete, which is what a resume loads. Step 4's
-      half-written save stays (verl wrote its actor first), and no pruning follows a failed save."""
+      half-written save stays (verl wrote its actor first), and no pruning follows a failed save;
+    - ``sat.heldout`` (64 problems, at steps 0 and 2): before training the worker's number is the
+      study's definition on the same weights (``verl_sat.default.heldout`` on the assets' model, in
+      this process); optimizer step 2's lands on global step 1's row and on the console."""
     run_dir = tmp_path / "run"
     cmd = [
         sys.executable,
@@ -200,6 +203,8 @@ def test_a_cpu_run_keeps_only_the_kept_snapshots_and_a_full_disk_ends_it(cached_
         "trainer.save_freq=1",
         "trainer.max_actor_ckpt_to_keep=2",
         "sat.faults.checkpoint_enospc_step=4",
+        f"sat.heldout.problems={HELDOUT_N}",
+        "sat.heldout.at=[0,2]",
     ]
     env = {k: v for k, v in os.environ.items() if not k.startswith(("VERL_FILE_LOGGER", "VERL_SAT_RUN_DIR"))}
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env, cwd=tmp_path)
@@ -219,3 +224,30 @@ def test_a_cpu_run_keeps_only_the_kept_snapshots_and_a_full_disk_ends_it(cached_
     logs = console + (run_dir / "console.log").read_text()
     assert "removed the TransferQueue snapshot of global_step_1" in logs
     assert "removed the TransferQueue snapshot of global_step_2" not in logs  # nothing after the failed save
+    check_heldout_rows(cached_default_assets, run_dir, out.stdout)
+
+
+HELDOUT_N = 64
+
+
+def check_heldout_rows(assets: Path, run_dir: Path, stdout: str) -> None:
+    """The product's held-out numbers against the study's definition (sat.heldout, docs/study.md)."""
+    from verl_sat.default.heldout import heldout_accuracy, heldout_problems
+    from verl_sat.files import read_jsonl
+    from verl_sat.study.loop import load_assets
+
+    rows = {int(r["step"]): r["data"] for r in read_jsonl(run_dir / "metrics.jsonl")}
+    model, tokenizer = load_assets(assets)
+    study = heldout_accuracy(model, tokenizer, heldout_problems(HELDOUT_N), 2, 20261201, 8)
+    first = rows[1]
+    # the same problems, random numbers and scoring: at most one sample in 128 may flip on the
+    # float32 rounding between FSDP's forward and the plain model's
+    assert first["eval/heldout_acc_initial"] == pytest.approx(study["eval/heldout_acc"], abs=1.01 / (2 * HELDOUT_N))
+    assert first["eval/heldout_greedy_acc_initial"] == pytest.approx(
+        study["eval/heldout_greedy_acc"], abs=1.01 / HELDOUT_N
+    )
+    assert study["eval/heldout_greedy_acc"] > 0.5  # the cached warm-up's greedy accuracy: a number that can differ
+    assert first["eval/heldout_step"] == 2.0 and 0.0 <= first["eval/heldout_acc"] <= 1.0
+    assert not any("eval/heldout_step" in rows[s] for s in (2, 3))  # the named step and the last (8) only
+    assert f"[verl-sat] held-out accuracy after optimizer step 2: {first['eval/heldout_acc']:.3f}" in stdout
+    assert "held-out problems (sat.heldout) are also in data.train_files" in stdout  # the default's train set

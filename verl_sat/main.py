@@ -31,6 +31,7 @@ from verl_sat.paper.table import derive_method
 from verl_sat.trainer import auto_lag, launch, progress
 from verl_sat.trainer.console import CONSOLE_LOG, quiet_console, quiet_sources
 from verl_sat.trainer.faults import finish_run
+from verl_sat.trainer.heldout import check_heldout, overlap_warning
 from verl_sat.trainer.recipe import (
     SATRecipeConfig,
     apply_actor,
@@ -73,6 +74,8 @@ def apply_recipe(cfg: DictConfig, sat: SATRecipeConfig) -> None:
     apply_lag(cfg, sat.lag)
     apply_actor(cfg, sat.actor)
     apply_routing_replay(cfg, sat.routing_replay)
+    steps_per_global = 1 if sat.lag == auto_lag.AUTO else int(sat.lag)
+    check_heldout(sat.heldout, steps_per_global, cfg.trainer.get("total_training_steps"), sat.strategy)
     warning = gate_starvation_warning(cfg)
     if warning:
         say(f"[verl-sat] warning: {warning}")
@@ -87,6 +90,9 @@ def prepare(cfg: DictConfig) -> tuple[SATRecipeConfig, Path]:
     if filled:
         say(f"[verl-sat] embedded default fills what was left unset: {', '.join(filled)}")
     launch.check_paths(cfg)
+    warning = overlap_warning(sat.heldout, cfg.data.get("train_files"))
+    if warning:
+        say(f"[verl-sat] warning: {warning}")
     apply_recipe(cfg, sat)
     launch.set_platform_env(cfg)
     run_dir = launch.make_run_dir(cfg, sat)

@@ -80,15 +80,39 @@ def sample_problems(n: int, seed: int) -> list[Problem]:
     return [sample_problem(rng) for _ in range(n)]
 
 
-def write_parquet(out_dir: str | Path, n_train: int = 2048, n_val: int = 64, seed: int = 0) -> tuple[Path, Path]:
-    """Write ``train.parquet`` and ``val.parquet`` under ``out_dir`` and return their paths."""
+def sample_problems_without(n: int, seed: int, excluded: set[tuple[int, int]]) -> list[Problem]:
+    """``n`` problems from a seeded generator, skipping every ``(a, b)`` in ``excluded``."""
+    rng, out = random.Random(seed), []
+    while len(out) < n:
+        problem = sample_problem(rng)
+        if (problem.a, problem.b) not in excluded:
+            out.append(problem)
+    return out
+
+
+def write_parquet(
+    out_dir: str | Path, n_train: int = 2048, n_val: int = 64, seed: int = 0, exclude_heldout: int = 0
+) -> tuple[Path, Path]:
+    """Write ``train.parquet`` and ``val.parquet`` under ``out_dir`` and return their paths.
+    ``exclude_heldout`` = N > 0: no training problem is one of the N held-out sums
+    (``verl_sat.default.heldout``, its default seed), as in the study."""
     import pandas as pd
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     paths = []
+    excluded: set[tuple[int, int]] = set()
+    if exclude_heldout > 0:
+        from verl_sat.default.heldout import heldout_problems
+
+        excluded = {(p.a, p.b) for p in heldout_problems(exclude_heldout)}
     for split, n, split_seed in (("train", n_train, seed), ("val", n_val, seed + 1)):
-        rows = [to_row(p, split, i) for i, p in enumerate(sample_problems(n, split_seed))]
+        problems = (
+            sample_problems_without(n, split_seed, excluded)
+            if split == "train" and excluded
+            else sample_problems(n, split_seed)
+        )
+        rows = [to_row(p, split, i) for i, p in enumerate(problems)]
         path = out / f"{split}.parquet"
         pd.DataFrame(rows).to_parquet(path)
         paths.append(path)
@@ -101,8 +125,11 @@ def main() -> None:
     parser.add_argument("--n-train", type=int, default=2048)
     parser.add_argument("--n-val", type=int, default=64)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--exclude-heldout", type=int, default=0, help="keep the first N held-out sums (sat.heldout) out of train"
+    )
     args = parser.parse_args()
-    print(write_parquet(args.out, args.n_train, args.n_val, args.seed))
+    print(write_parquet(args.out, args.n_train, args.n_val, args.seed, args.exclude_heldout))
 
 
 if __name__ == "__main__":

@@ -49,14 +49,14 @@ from typing import Any
 import numpy as np
 import torch
 
+from verl_sat.default.heldout import HELDOUT_GREEDY_KEY, HELDOUT_KEY, heldout_problems  # noqa: F401  (one definition)
+
 LOSS_MODES = ("sat", "sat_gspo", "vanilla", "gspo", "dppo_tv", "cispo")
 SEQUENCE_LEVEL = ("sat_gspo", "gspo")
 """losses whose ratio and SAT score are GSPO's sequence ratio (docs/sat.md#sequence-level); the others: token level"""
 CORRECTIONS = ("none", "tis", "icepop", "geo_rs")
 ROUTING_REPLAY = ("disabled", "R3")
 METRICS_FILE = "metrics.jsonl"
-HELDOUT_KEY = "eval/heldout_acc"
-HELDOUT_GREEDY_KEY = "eval/heldout_greedy_acc"
 
 
 @dataclass
@@ -193,19 +193,6 @@ def actor_config(cfg: LoopConfig) -> Any:
         loss_agg_mode=cfg.loss_agg_mode,
         policy_loss=policy_loss,
     )
-
-
-def heldout_problems(n: int, seed: int) -> list[Any]:
-    """``n`` distinct sums from a seeded generator: the fixed held-out set (never trained on)."""
-    from verl_sat.default import data as task
-
-    rng, seen, out = random.Random(seed), set(), []
-    while len(out) < n:
-        problem = task.sample_problem(rng)
-        if (problem.a, problem.b) not in seen:
-            seen.add((problem.a, problem.b))
-            out.append(problem)
-    return out
 
 
 def rollout_correction(
@@ -457,32 +444,22 @@ class StudyLoop:
     def heldout_accuracy(self) -> dict[str, float]:
         """The trainer's policy (no rollout mismatch) on the held-out problems: accuracy of
         ``eval_samples`` temperature-1 samples each, and of greedy decoding, with the same random
-        numbers in every run and at every step (``eval_seed``)."""
-        from verl_sat.rollout.engine import EngineOptions, HFEngine
+        numbers in every run and at every step (``eval_seed``; ``verl_sat.default.heldout``, the
+        product's definition too)."""
+        from verl_sat.default.heldout import heldout_accuracy
 
         self.policy.eval()
         try:
-            engine = HFEngine(self.policy, self.eos, self.pad_id, EngineOptions(seed=self.cfg.eval_seed))
-            sampled = self._score(engine, self.cfg.eval_samples, temperature=1.0)
-            greedy = self._score(engine, 1, temperature=0.0)
+            return heldout_accuracy(
+                self.policy,
+                self.tokenizer,
+                self.heldout,
+                self.cfg.eval_samples,
+                self.cfg.eval_seed,
+                self.cfg.max_response_length,
+            )
         finally:
             self.policy.train()
-        return {HELDOUT_KEY: sampled, HELDOUT_GREEDY_KEY: greedy}
-
-    def _score(self, engine: Any, samples: int, temperature: float) -> float:
-        from verl_sat.default.reward import compute_score
-        from verl_sat.default.warmup import prompt_ids
-        from verl_sat.rollout.engine import GenerationRequest
-        from verl_sat.rollout.sampling import SamplingParams
-
-        params = SamplingParams(temperature=temperature, top_k=-1, top_p=1.0)
-        problems = [p for p in self.heldout for _ in range(samples)]
-        requests = [
-            GenerationRequest(prompt_ids(self.tokenizer, p), params, self.cfg.max_response_length) for p in problems
-        ]
-        results = engine.generate_batch(requests)
-        texts = self.tokenizer.batch_decode([r.token_ids for r in results], skip_special_tokens=True)
-        return sum(compute_score(None, t, p.answer) for t, p in zip(texts, problems, strict=True)) / len(problems)
 
     def _eval_due(self, step: int) -> bool:
         return self.cfg.eval_problems > 0 and (step in self.cfg.eval_at or step == self.cfg.steps)

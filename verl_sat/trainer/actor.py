@@ -54,6 +54,7 @@ from verl_sat.trainer.accounting import SampleAccountingMixin
 from verl_sat.trainer.auto_lag import AutoLagTrainerMixin
 from verl_sat.trainer.engines import enable_step_q, engine_mixins, register_engine
 from verl_sat.trainer.faults import FaultMixin, scale_lr
+from verl_sat.trainer.heldout import HeldoutTrainerMixin, score_worker_model
 from verl_sat.trainer.sentinel import SentinelTrainerMixin
 
 STALENESS_FIELD = "sat_staleness"
@@ -329,6 +330,10 @@ class AsyncSATActor:
         """Multiply every optimizer group's lr by ``factor`` (the lr-spike fault, ``verl_sat.trainer.faults``)."""
         return scale_lr(self, factor)
 
+    def sat_heldout_accuracy(self, spec: dict) -> dict[str, float]:
+        """The study's held-out accuracy of this worker's model (``sat.heldout``, ``verl_sat.trainer.heldout``)."""
+        return score_worker_model(self, spec)
+
 
 def sat_worker_class(remote_cls: Any, actor_class: type[AsyncSATActor] = AsyncSATActor) -> Any:
     """``ray.remote(SAT<Worker>(actor_class, <Worker>))`` for verl's ``ray.remote(<Worker>)``.
@@ -347,6 +352,7 @@ def sat_worker_class(remote_cls: Any, actor_class: type[AsyncSATActor] = AsyncSA
             "__module__": actor_class.__module__,
             "init_model": register(**getattr(base.init_model, MAGIC_ATTR))(actor_class.init_model),
             "sat_scale_lr": register(dispatch_mode=Dispatch.ONE_TO_ALL)(actor_class.sat_scale_lr),
+            "sat_heldout_accuracy": register(dispatch_mode=Dispatch.ONE_TO_ALL)(actor_class.sat_heldout_accuracy),
         },
     )
     return ray.remote(cls)
@@ -368,7 +374,9 @@ def actor_class_of(path: str | None) -> type[AsyncSATActor]:
     return cls
 
 
-class SATTrainerMixin(SentinelTrainerMixin, AutoLagTrainerMixin, SampleAccountingMixin, FaultMixin):
+class SATTrainerMixin(
+    SentinelTrainerMixin, AutoLagTrainerMixin, SampleAccountingMixin, FaultMixin, HeldoutTrainerMixin
+):
     """A v1 trainer that writes per-sample staleness for the loss and uses SAT workers.
 
     Registered as ``sat_<mode>``; ``trainer_mode`` reads back as ``<mode>`` so that verl's own
@@ -393,7 +401,9 @@ class SATTrainerMixin(SentinelTrainerMixin, AutoLagTrainerMixin, SampleAccountin
                 self.role_worker_mapping[role] = sat_worker_class(self.role_worker_mapping[role], actor_class)
 
     def _update_actor(self, batch: Any, metrics: dict) -> Any:
-        batch = super()._update_actor(self._put_staleness(batch, metrics), metrics)  # type: ignore[misc]
+        staled = self._put_staleness(batch, metrics)
+        # sat.heldout: the trainer's policy scored at the named optimizer steps (verl_sat.trainer.heldout)
+        batch = self._heldout_around_update(lambda: super(SATTrainerMixin, self)._update_actor(staled, metrics))  # type: ignore[misc]
         self._auto_lag_observe(metrics, batch.tags)  # sat.lag=auto: this step's signal (verl_sat.trainer.auto_lag)
         return batch
 
@@ -425,6 +435,7 @@ class SATTrainerMixin(SentinelTrainerMixin, AutoLagTrainerMixin, SampleAccountin
         super()._compute_metrics(batch, metrics, timing_raw, global_steps=global_steps, epoch=epoch)  # type: ignore[misc]
         finish_staleness_breakdown(metrics)
         fill_eviction_counters(metrics)
+        self._heldout_metrics(metrics)
         # the sentinel first: a stop makes this step the last, and the accounting then records what
         # is still in flight, as on the planned last step
         self._sentinel_observe(int(global_steps), metrics)

@@ -19,9 +19,11 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from verl_sat.default.heldout import HELDOUT_GREEDY_KEY, HELDOUT_KEY
 from verl_sat.files import read_metrics, update_run_record
 from verl_sat.trainer import auto_lag
 from verl_sat.trainer.console import CONSOLE_LOG
+from verl_sat.trainer.heldout import STEP_KEY as HELDOUT_STEP_KEY
 
 REWARD_KEY = "critic/score/mean"
 DBAR_PI_KEY = "actor/mismatch_abs_mean"
@@ -105,7 +107,8 @@ def inert_warning(rows: Sequence[dict[str, Any]], eps_high: float, window: int =
 
 def plot_job(rows: Sequence[dict[str, Any]], path: Path) -> Path:
     """``reward.png``: reward (with its first/last-quarter means), dbar_pi (with sat.lag=auto's
-    broadcasts), SAT gate rate and the intercepted fraction (tokens SAT clips and PPO does not) per step."""
+    broadcasts), SAT gate rate and the intercepted fraction (tokens SAT clips and PPO does not) per step;
+    with ``sat.heldout``, a fifth panel: the held-out accuracy (sampled, greedy) by optimizer step."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -117,8 +120,11 @@ def plot_job(rows: Sequence[dict[str, Any]], path: Path) -> Path:
         (GATE_KEY, "SAT gate rate"),
         (INTERCEPT_KEY, "intercepted (SAT clips, PPO does not)"),
     )
-    fig, axes = plt.subplots(1, len(panels), figsize=(17, 3.6))
-    for ax, (key, label) in zip(axes, panels, strict=True):
+    heldout = heldout_points(rows)
+    fig, axes = plt.subplots(
+        1, len(panels) + bool(heldout[HELDOUT_KEY]), figsize=(17 + 4 * bool(heldout[HELDOUT_KEY]), 3.6)
+    )
+    for ax, (key, label) in zip(axes, panels, strict=False):
         points = [(r["step"], float(r[key])) for r in rows if isinstance(r.get(key), (int, float))]
         if points:
             ax.plot([s for s, _ in points], [v for _, v in points], marker="o", ms=3, lw=1.4)
@@ -138,10 +144,32 @@ def plot_job(rows: Sequence[dict[str, Any]], path: Path) -> Path:
         axes[0].axhline(first, color="gray", ls=":", lw=1, label=f"first quarter {first:.2f}")
         axes[0].axhline(last, color="tab:green", ls="--", lw=1, label=f"last quarter {last:.2f}")
         axes[0].legend(fontsize=8)
+    if heldout[HELDOUT_KEY]:
+        ax = axes[-1]
+        for key, label in ((HELDOUT_KEY, "sampled"), (HELDOUT_GREEDY_KEY, "greedy")):
+            if heldout[key]:
+                ax.plot(*zip(*heldout[key], strict=True), marker="o", ms=3, lw=1.4, label=label)
+        ax.set_title("held-out accuracy (sat.heldout)")
+        ax.set_xlabel("optimizer step")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def heldout_points(rows: Sequence[dict[str, Any]]) -> dict[str, list[tuple[float, float]]]:
+    """(optimizer step, accuracy) per held-out key: step 0 from ``*_initial``, then every row's
+    ``eval/heldout_step`` (verl_sat.trainer.heldout)."""
+    out: dict[str, list[tuple[float, float]]] = {HELDOUT_KEY: [], HELDOUT_GREEDY_KEY: []}
+    for row in rows:
+        for key, points in out.items():
+            if isinstance(row.get(key + "_initial"), int | float):
+                points.append((0.0, float(row[key + "_initial"])))
+            if isinstance(row.get(key), int | float) and isinstance(row.get(HELDOUT_STEP_KEY), int | float):
+                points.append((float(row[HELDOUT_STEP_KEY]), float(row[key])))
+    return out
 
 
 # ---------------------------------------------------------------------------------------------
@@ -169,6 +197,8 @@ def progress_line(row: dict[str, Any]) -> str:
         f"intercepted {fmt('intercepted', '.4f')} | dbar_pi {fmt('dbar_pi', '.4f')} | "
         f"staleness<= {fmt('staleness', '.0f')} | {fmt('seconds', '.1f')} s"
     )
+    if isinstance(row.get(HELDOUT_KEY), int | float):  # sat.heldout: taken in this global step
+        line += f" | held-out {row[HELDOUT_KEY]:.3f}"
     if isinstance(row.get(auto_lag.LAG_KEY), int | float):  # sat.lag=auto: the lag this step ran at
         line += f" | lag {row[auto_lag.LAG_KEY]:.0f}{' -> broadcast' if row.get(auto_lag.BROADCAST_KEY) else ''}"
     return line

@@ -37,6 +37,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf, open_dict
 
+from verl_sat.default.heldout import HeldoutConfig
 from verl_sat.trainer.auto_lag import AUTO, AutoLagConfig
 from verl_sat.trainer.faults import FaultConfig
 from verl_sat.trainer.sentinel import SentinelConfig
@@ -74,6 +75,8 @@ class SATRecipeConfig:
         faults: injected faults for the fault tests (``verl_sat.trainer.faults.FaultConfig``, docs/faults.md).
         strategy: ``fsdp`` (the config as composed) | ``megatron``: the actor and reference on verl's
             Megatron engine (``apply_strategy``; on CPU with ``hydra_configs/strategy/megatron_cpu.yaml``).
+        heldout: the study's held-out accuracy at named optimizer steps (``verl_sat.default.heldout.HeldoutConfig``,
+            docs/study.md); off by default.
     """
 
     lag: int | str = 1
@@ -89,6 +92,7 @@ class SATRecipeConfig:
     faults: FaultConfig = field(default_factory=FaultConfig)
     strategy: str = "fsdp"
     auto_lag: AutoLagConfig = field(default_factory=AutoLagConfig)
+    heldout: HeldoutConfig = field(default_factory=HeldoutConfig)
 
     def __post_init__(self) -> None:
         if self.strategy not in STRATEGIES:
@@ -121,6 +125,9 @@ class SATRecipeConfig:
         sentinel = SentinelConfig.from_node(values.pop("sentinel", None))
         values["faults"] = FaultConfig.from_node(values.pop("faults", None))
         values["auto_lag"] = AutoLagConfig.from_node(values.pop("auto_lag", None))
+        values["heldout"] = HeldoutConfig.from_node(values.pop("heldout", None))
+        if values["heldout"].enabled and not values.get("actor", True):
+            raise ValueError("sat.heldout.problems > 0 needs sat.actor=true (it runs in SATTrainerMixin)")
         if sentinel.enabled and not values.get("actor", True):
             raise ValueError("sat.sentinel.enabled=true needs sat.actor=true (the sentinel runs in SATTrainerMixin)")
         return cls(**values, sentinel=sentinel)

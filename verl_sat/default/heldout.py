@@ -1,0 +1,133 @@
+"""The study's held-out metric, one definition for the study loop and the product (docs/study.md).
+
+    problems  = ``problems`` distinct sums from ``random.Random(seed)``, never trained on
+    accuracy  = mean_i R(y_i), y_i ~ pi_theta(. | x_i) at temperature 1, ``samples`` per problem,
+                the sampling generator seeded with ``seed`` at every evaluation
+    greedy    = mean_i R(argmax decoding of x_i)
+
+pi_theta is the *trainer's* policy: its current weights, no rollout mismatch (no logit or router
+bias, no noise, no routing replay). R is the default task's rule reward. The same problems and
+the same random numbers at every step and in every run, so two runs differ only by their weights.
+``verl_sat.study.loop`` calls :func:`heldout_accuracy` on its policy; the product calls it on the
+actor worker's model (``sat.heldout``, ``verl_sat.trainer.heldout``).
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+HELDOUT_KEY = "eval/heldout_acc"
+HELDOUT_GREEDY_KEY = "eval/heldout_greedy_acc"
+DEFAULT_SEED = 20261201
+
+
+@dataclass
+class HeldoutConfig:
+    """``sat.heldout``: the study's held-out accuracy in the product (off while ``problems`` is 0).
+
+    Args:
+        problems: held-out sums (0: off; the confirmatory study: 512), at most 5000 of the 10,000.
+        samples: temperature-1 samples per problem (the study: 2).
+        at: optimizer steps after which to evaluate, besides the last one (0: before training,
+            logged on step 1's row as ``eval/heldout_acc_initial``). At a lag n > 1 one global
+            step holds n optimizer steps; two named steps may not fall in the same global step.
+        seed: the held-out set's and its sampling's seed (the study's: 20261201).
+    """
+
+    problems: int = 0
+    samples: int = 2
+    at: list[int] = field(default_factory=list)
+    seed: int = DEFAULT_SEED
+
+    def __post_init__(self) -> None:
+        if isinstance(self.problems, bool) or not isinstance(self.problems, int) or not 0 <= self.problems <= 5000:
+            raise ValueError(f"sat.heldout.problems must be an integer in [0, 5000], got {self.problems!r}")
+        if isinstance(self.samples, bool) or not isinstance(self.samples, int) or self.samples < 1:
+            raise ValueError(f"sat.heldout.samples must be an integer >= 1, got {self.samples!r}")
+        steps = list(self.at)
+        if any(isinstance(s, bool) or not isinstance(s, int) or s < 0 for s in steps):
+            raise ValueError(f"sat.heldout.at must list optimizer steps >= 0, got {steps!r}")
+        self.at = sorted(set(steps))
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
+            raise ValueError(f"sat.heldout.seed must be an integer, got {self.seed!r}")
+
+    @property
+    def enabled(self) -> bool:
+        return self.problems > 0
+
+    @classmethod
+    def from_node(cls, node: Any) -> HeldoutConfig:
+        """Build from ``sat.heldout`` (a mapping or None); an unknown key is an error naming it."""
+        values = dict(node) if node is not None else {}
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ValueError(
+                f"unknown key(s) under sat.heldout: {', '.join('sat.heldout.' + k for k in unknown)}; "
+                f"known: {sorted(known)}"
+            )
+        if "at" in values and values["at"] is not None:
+            values["at"] = list(values["at"])
+        return cls(**values)
+
+    def due(self, step: int, last: int) -> bool:
+        """Whether the held-out accuracy is taken after optimizer step ``step`` of ``last``."""
+        return self.enabled and (step in self.at or step == last)
+
+
+def heldout_problems(n: int, seed: int = DEFAULT_SEED) -> list[Any]:
+    """``n`` distinct sums from a seeded generator: the fixed held-out set (never trained on)."""
+    from verl_sat.default import data as task
+
+    rng, seen, out = random.Random(seed), set(), []
+    while len(out) < n:
+        problem = task.sample_problem(rng)
+        if (problem.a, problem.b) not in seen:
+            seen.add((problem.a, problem.b))
+            out.append(problem)
+    return out
+
+
+def heldout_accuracy(
+    model: Any,
+    tokenizer: Any,
+    problems: list[Any],
+    samples: int,
+    seed: int,
+    max_response_length: int,
+) -> dict[str, float]:
+    """``{HELDOUT_KEY, HELDOUT_GREEDY_KEY}`` of ``model`` (left in eval mode's caller state:
+    the caller switches train/eval) on ``problems``, from a fresh generator seeded ``seed``."""
+    from verl_sat.rollout.engine import EngineOptions, HFEngine, _eos_ids
+
+    eos = _eos_ids(model, tokenizer)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(eos)
+    engine = HFEngine(model, eos, pad, EngineOptions(seed=seed))
+    sampled = _score(engine, tokenizer, problems, samples, 1.0, max_response_length)
+    greedy = _score(engine, tokenizer, problems, 1, 0.0, max_response_length)
+    return {HELDOUT_KEY: sampled, HELDOUT_GREEDY_KEY: greedy}
+
+
+def _score(
+    engine: Any, tokenizer: Any, problems: list[Any], samples: int, temperature: float, max_response_length: int
+) -> float:
+    """mean R over ``samples`` responses per problem at ``temperature`` (0: greedy)."""
+    from verl_sat.default.reward import compute_score
+    from verl_sat.default.warmup import prompt_ids
+    from verl_sat.rollout.engine import GenerationRequest
+    from verl_sat.rollout.sampling import SamplingParams
+
+    params = SamplingParams(temperature=temperature, top_k=-1, top_p=1.0)
+    repeated = [p for p in problems for _ in range(samples)]
+    requests = [GenerationRequest(prompt_ids(tokenizer, p), params, max_response_length) for p in repeated]
+    results = engine.generate_batch(requests)
+    texts = tokenizer.batch_decode([r.token_ids for r in results], skip_special_tokens=True)
+    return sum(compute_score(None, t, p.answer) for t, p in zip(texts, repeated, strict=True)) / len(repeated)
+
+
+def train_overlap(questions: list[str], problems: list[Any]) -> int:
+    """How many held-out problems appear among the training set's ``questions`` (their text)."""
+    held = {p.text for p in problems}
+    return len(held & set(questions))
