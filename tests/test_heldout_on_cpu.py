@@ -54,7 +54,9 @@ def test_the_config_refuses_what_it_cannot_honour_naming_the_key():
         check_heldout(HeldoutConfig(problems=8, at=[300]), 8, 30, "fsdp")
     with pytest.raises(ValueError, match=r"sat\.heldout needs sat\.strategy=fsdp"):
         check_heldout(HeldoutConfig(problems=8), 2, 4, "megatron")
-    check_heldout(HeldoutConfig(problems=0, at=[300]), 8, 30, "megatron")  # off: nothing to refuse
+    with pytest.raises(ValueError, match=r"sat\.heldout .* needs trainer\.device=cpu, got 'cuda'"):
+        check_heldout(HeldoutConfig(problems=8), 8, 30, "fsdp", "cuda")
+    check_heldout(HeldoutConfig(problems=0, at=[300]), 8, 30, "megatron", "cuda")  # off: nothing to refuse
     due = HeldoutConfig(problems=8, at=[0, 60])
     assert [s for s in range(0, 241) if due.due(s, 240)] == [0, 60, 240]
 

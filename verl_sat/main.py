@@ -75,7 +75,8 @@ def apply_recipe(cfg: DictConfig, sat: SATRecipeConfig) -> None:
     apply_actor(cfg, sat.actor)
     apply_routing_replay(cfg, sat.routing_replay)
     steps_per_global = 1 if sat.lag == auto_lag.AUTO else int(sat.lag)
-    check_heldout(sat.heldout, steps_per_global, cfg.trainer.get("total_training_steps"), sat.strategy)
+    total = cfg.trainer.get("total_training_steps")
+    check_heldout(sat.heldout, steps_per_global, total, sat.strategy, str(cfg.trainer.get("device", "cuda")))
     warning = gate_starvation_warning(cfg)
     if warning:
         say(f"[verl-sat] warning: {warning}")

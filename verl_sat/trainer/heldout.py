@@ -14,7 +14,8 @@ step's row then carries ``eval/heldout_acc``, ``eval/heldout_greedy_acc`` and
 ``eval/heldout_step`` (= s). Step 0 is taken before the first update, on step 1's row as
 ``eval/heldout_acc_initial``.
 
-FSDP engine only: the Megatron engine's module is not a transformers model (refused at launch).
+FSDP engine on CPU only: the Megatron engine's module is not a transformers model, and the
+held-out sums are the CPU default's task, scored by the CPU rollout engine (both refused at launch).
 """
 
 from __future__ import annotations
@@ -32,11 +33,19 @@ def optimizer_step(global_step: int, sync_step: int, local_step: int) -> int:
     return (int(global_step) - 1) * int(sync_step) + int(local_step) + 1
 
 
-def check_heldout(heldout: HeldoutConfig, steps_per_global: int, total_global: int | None, strategy: str) -> None:
-    """Refuse what cannot be honoured, naming the key: a Megatron actor, a step past the run's
-    end, two named steps in one global step (its row holds one evaluation)."""
+def check_heldout(
+    heldout: HeldoutConfig, steps_per_global: int, total_global: int | None, strategy: str, device: str = "cpu"
+) -> None:
+    """Refuse what cannot be honoured, naming the key: a Megatron actor, a trainer off CPU (the
+    held-out sums are the CPU default's task, scored by the CPU rollout engine), a step past the
+    run's end, two named steps in one global step (its row holds one evaluation)."""
     if not heldout.enabled:
         return
+    if device != "cpu":
+        raise ValueError(
+            f"sat.heldout scores the CPU default's held-out sums with its CPU engine: it needs trainer.device=cpu, "
+            f"got {device!r}"
+        )
     if strategy != "fsdp":
         raise ValueError(
             f"sat.heldout needs sat.strategy=fsdp (the actor's model scored as a transformers model), got {strategy!r}"
