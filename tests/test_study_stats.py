@@ -50,3 +50,34 @@ def test_replayed_sentinel_alarms_on_a_reward_drop_with_a_mismatch_spike_only():
     assert alarms and alarms[0] >= 21 and scored > 0
     quiet, _ = replay_sentinel(list(reversed(steady)), config)  # step order, not list order
     assert quiet == []
+
+
+def test_holm_against_its_textbook_example():
+    # Holm (1979) step-down on m = 4: sorted p 0.01, 0.02, 0.03, 0.04 -> 0.04, 0.06, 0.06, 0.06
+    from verl_sat.study.stats import holm
+
+    assert holm([0.03, 0.01, 0.04, 0.02]) == pytest.approx([0.06, 0.04, 0.06, 0.06])
+    assert holm([0.5, 0.9]) == pytest.approx([1.0, 1.0]) and holm([]) == []
+
+
+@given(st.lists(st.floats(0.0, 1.0), min_size=1, max_size=8))
+@settings(max_examples=500, deadline=None)
+def test_holm_is_monotone_bounded_and_above_the_raw_p(ps):
+    from verl_sat.study.stats import holm
+
+    adj = holm(ps)
+    assert all(p <= q <= 1.0 for p, q in zip(ps, adj, strict=True))
+    order = sorted(range(len(ps)), key=lambda i: ps[i])
+    assert all(adj[order[i]] <= adj[order[i + 1]] for i in range(len(ps) - 1))  # the order is kept
+
+
+def test_exact_mcnemar_on_discordant_pairs():
+    from verl_sat.study.stats import mcnemar_exact
+
+    # 6 seeds where only b collapses, none where only a does: p = 2 / 2^6
+    a = dict.fromkeys(range(16), False)
+    b = {k: k < 6 for k in range(16)}
+    r = mcnemar_exact(a, b)
+    assert (r["a_only"], r["b_only"], r["p"]) == (0, 6, pytest.approx(2 / 64)) and r["b_rate"] == 6 / 16
+    assert mcnemar_exact(a, a)["p"] == 1.0  # no discordant pair
+    assert mcnemar_exact({1: True, 2: False}, {1: False, 2: True})["p"] == 1.0

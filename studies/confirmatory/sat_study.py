@@ -74,6 +74,8 @@ _TOKEN = {"loss_agg_mode": "token-mean"}
 ARMS: dict[str, dict[str, Any]] = {
     "grpo": {"loss_mode": "sat", "sat_enabled": False, **_TOKEN},
     "sat_grpo": {"loss_mode": "sat", **_TOKEN},
+    "grpo_r3": {"loss_mode": "sat", "sat_enabled": False, "routing_replay": "R3", **_TOKEN},
+    "sat_grpo_r3": {"loss_mode": "sat", "routing_replay": "R3", **_TOKEN},
     "gspo": {**_GSPO, "sat_enabled": False},
     "sat_gspo": dict(_GSPO),
     "gspo_r3": {**_GSPO, "sat_enabled": False, "routing_replay": "R3"},

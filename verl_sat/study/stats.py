@@ -197,3 +197,36 @@ def paired_comparison(a: Mapping[Any, float], b: Mapping[Any, float]) -> dict[st
         "permutation_p": permutation_p(diffs) if len(diffs) <= 20 else None,
         "diffs": diffs,
     }
+
+
+def holm(pvalues: Sequence[float]) -> list[float]:
+    """Holm's step-down adjustment of a family of m p-values, in their given order:
+    p~_(i) = max_{j <= i} min(1, (m - j + 1) p_(j)) over the ascending order p_(1) <= ... <= p_(m)."""
+    m = len(pvalues)
+    order = sorted(range(m), key=lambda i: pvalues[i])
+    adjusted, running = [0.0] * m, 0.0
+    for rank, i in enumerate(order):
+        running = max(running, min(1.0, (m - rank) * pvalues[i]))
+        adjusted[i] = running
+    return adjusted
+
+
+def mcnemar_exact(a: Mapping[Any, bool], b: Mapping[Any, bool]) -> dict[str, Any] | None:
+    """Exact McNemar test of paired binary outcomes (a collapse) over the seeds both hold: with
+    b10 = #(a and not b), b01 = #(b and not a), n = b10 + b01,
+    p = min(1, 2 sum_{i <= min(b10, b01)} C(n, i) / 2^n) (1 when n = 0)."""
+    seeds = sorted(k for k in a if k in b)
+    if not seeds:
+        return None
+    b10 = sum(bool(a[k]) and not bool(b[k]) for k in seeds)
+    b01 = sum(bool(b[k]) and not bool(a[k]) for k in seeds)
+    n = b10 + b01
+    p = 1.0 if n == 0 else min(1.0, 2 * sum(math.comb(n, i) for i in range(min(b10, b01) + 1)) / 2**n)
+    return {
+        "seeds": len(seeds),
+        "a_rate": sum(bool(a[k]) for k in seeds) / len(seeds),
+        "b_rate": sum(bool(b[k]) for k in seeds) / len(seeds),
+        "a_only": b10,
+        "b_only": b01,
+        "p": p,
+    }
