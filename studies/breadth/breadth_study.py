@@ -1,0 +1,378 @@
+"""Evidence as broad as the paper's claim (issue 33; studies/breadth/study_protocol_breadth.md).
+
+    python studies/breadth/breadth_study.py part1 --out runs/breadth    # stabilizers at lag 8 (112 runs)
+    python studies/breadth/breadth_study.py part2 --out runs/breadth    # two more router-bias draws, logit noise (96)
+    python studies/breadth/breadth_study.py part3 --out runs/breadth    # SAT-GRPO vs GRPO, with and without R3 (64)
+    python studies/breadth/breadth_study.py search --out runs/breadth   # the collapse search, baselines only (16)
+    python studies/breadth/breadth_study.py confirm --out runs/breadth  # part 4's confirmation, if the search picked
+    python studies/breadth/breadth_study.py all --out runs/breadth      # parts 1-3, the search, then the confirmation
+    python studies/breadth/breadth_study.py quick --out runs/breadth_q  # the whole pipeline, 2 seeds x 16 steps
+    python studies/breadth/breadth_study.py summarize runs/breadth      # runs.csv, study.md, figures again
+
+The confirmatory study's harness (the in-process loop, its arms, its run statistics, its protocol
+check; studies/confirmatory/sat_study.py): every run is a :class:`sat_study.Spec`, run on ``--jobs``
+workers that load the assets once, skipped when already complete in ``--out``. Every phase but
+``quick`` refuses to start while the protocol is uncommitted or changed; every row carries its
+commit and blob and the assets' fingerprint.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+PROTOCOL = HERE / "study_protocol_breadth.md"
+sys.path.insert(0, str(HERE.parent / "confirmatory"))
+import sat_study as base  # noqa: E402  (one harness: arms, specs, run statistics, protocol check)
+
+from verl_sat.study.stats import holm, mcnemar_exact  # noqa: E402
+
+PHASES = ("part1", "part2", "part3", "search", "confirm")
+KEY = "heldout_acc"
+
+
+def settings_of(protocol: dict[str, Any], quick: bool = False, **extra: Any) -> dict[str, Any]:
+    settings = {**protocol["settings"], "eval_at": tuple(protocol["checkpoints"]), **extra}
+    if quick:
+        q = protocol["quick"]
+        settings.update(steps=q["steps"], eval_problems=q["eval_problems"], eval_at=(q["steps"] // 2,))
+    return settings
+
+
+def search_tag(lr: float, bias: float) -> str:
+    return f"search-{base.setting_tag(lr, bias)}"
+
+
+def phase_specs(protocol: dict[str, Any], phase: str, quick: bool = False, out: Path | None = None) -> list[base.Spec]:
+    """The runs of one phase, exactly as the protocol fixes them (seed-major: whole pairs first)."""
+    seeds = protocol["quick"]["seeds"] if quick else protocol["seeds"]
+    lag = protocol["lag"]
+    if phase == "part1":
+        p = protocol["part1"]
+        specs = base.specs_for(
+            [p["treatment"], *p["references"], p["replication"]], (lag,), seeds, settings_of(protocol, quick)
+        )
+    elif phase == "part2":
+        p = protocol["part2"]
+        specs = [
+            s
+            for tag, extra in p["conditions"].items()
+            for s in base.specs_for(
+                [p["treatment"], p["reference"]], (lag,), seeds, settings_of(protocol, quick, **extra), tag
+            )
+        ]
+    elif phase == "part3":
+        arms = [arm for pair in protocol["part3"]["pairs"] for arm in pair]
+        specs = base.specs_for(arms, (lag,), seeds, settings_of(protocol, quick))
+    elif phase == "search":
+        p = protocol["part4"]
+        seed = seeds[:1] if quick else [p["seed"]]
+        grid = protocol["quick"] if quick else p
+        specs = [
+            s
+            for lr in grid["lrs"]
+            for bias in grid["router_bias"]
+            for s in base.specs_for(
+                p["arms"],
+                p["lags"],
+                seed,
+                settings_of(protocol, quick, lr=lr, router_bias_std=bias),
+                search_tag(lr, bias),
+            )
+        ]
+    elif phase == "confirm":
+        picked = read_pick(out) if out is not None else None
+        if picked is None or picked.get("picked") is None:
+            return []
+        p = protocol["part4"]
+        seeds = protocol["quick"]["seeds"] if quick else p["confirm_seeds"]
+        setting = picked["picked"]
+        extra = {"lr": setting["lr"], "router_bias_std": setting["router_bias"]}
+        arms = [arm for pair in p["confirm_pairs"] for arm in pair]
+        specs = base.specs_for(arms, (setting["lag"],), seeds, settings_of(protocol, quick, **extra), "collapse")
+    else:
+        raise ValueError(f"unknown phase {phase!r}; known: {PHASES}")
+    return sorted(specs, key=lambda s: (s.seed, s.tag, s.lag))
+
+
+# -- part 4's rule (fixed in the protocol before the search ran) ---------------------------------
+def pick_collapse(stats: Sequence[dict[str, Any]], protocol: dict[str, Any]) -> dict[str, Any]:
+    """Per search run: collapsed (a sentinel alarm) and q below the radius on >= q_below_radius_min
+    of steps. A setting (lag, lr, bias) qualifies for an arm when both hold; picked: the setting
+    qualifying for the most arms, ties broken by the lowest mean final held-out accuracy of its
+    qualifying arms; None when no setting qualifies."""
+    p = protocol["part4"]
+    settings: dict[tuple[int, float, float], list[dict[str, Any]]] = {}
+    runs = []
+    for s in stats:
+        if not s["tag"].startswith("search-"):
+            continue
+        lr, bias = (float(x[2:]) for x in s["tag"].removeprefix("search-").split("-"))
+        qualifies = bool(s["collapsed"]) and (s["q_below_radius_frac"] or 0.0) >= p["q_below_radius_min"]
+        run = {"arm": s["arm"], "lag": s["lag"], "lr": lr, "router_bias": bias, "qualifies": qualifies}
+        run.update({k: s[k] for k in ("collapsed", "q_below_radius_frac", KEY)})
+        runs.append(run)
+        if qualifies:
+            settings.setdefault((s["lag"], lr, bias), []).append(run)
+    if not settings:
+        return {"picked": None, "runs": runs}
+
+    def rank(item: tuple[tuple[int, float, float], list[dict[str, Any]]]) -> tuple[int, float]:
+        accs = [r[KEY] for r in item[1] if r[KEY] is not None]
+        return (-len(item[1]), sum(accs) / len(accs) if accs else math.inf)
+
+    (lag, lr, bias), arms = min(settings.items(), key=rank)
+    picked = {"lag": lag, "lr": lr, "router_bias": bias, "arms": [r["arm"] for r in arms]}
+    return {"picked": picked, "runs": runs}
+
+
+def read_pick(out: Path) -> dict[str, Any] | None:
+    path = out / "collapse_pick.json"
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+# -- analysis ------------------------------------------------------------------------------------
+def family(stats: Sequence[dict[str, Any]], pairs: Sequence[tuple[str, str, str, int]]) -> list[dict[str, Any]]:
+    """The paired contrasts (arm, reference, tag, lag) on the final held-out accuracy, Holm-adjusted
+    within the family (the Wilcoxon p)."""
+    rows = [r for arm, ref, tag, lag in pairs if (r := base.paired(stats, arm, ref, lag, KEY, tag))]
+    for r, adjusted in zip(rows, holm([r["wilcoxon_p"] for r in rows]), strict=True):
+        r["tag"] = next(tag for arm, ref, tag, _ in pairs if (arm, ref) == (r["arm"], r["reference"]))
+        r["holm_p"] = adjusted
+    return rows
+
+
+def collapse_rows(stats: Sequence[dict[str, Any]], pairs: Sequence[tuple[str, str]], lag: int) -> list[dict[str, Any]]:
+    rows = []
+    for arm, ref in pairs:
+
+        def cell(name: str) -> dict[int, bool]:
+            return {
+                s["seed"]: bool(s["collapsed"])
+                for s in stats
+                if s["arm"] == name and s["tag"] == "collapse" and s["lag"] == lag
+            }
+
+        if r := mcnemar_exact(cell(arm), cell(ref)):
+            rows.append({"arm": arm, "reference": ref, **r})
+    return rows
+
+
+def summarize(out: Path, protocol: dict[str, Any]) -> dict[str, Any]:
+    specs, runs = base.load_runs(out)
+    provenance = json.loads((out / "provenance.json").read_text())
+    stats = [{**base.run_stats(s, runs[s.name]), **provenance} for s in specs]
+    if stats:
+        base.write_csv(out / "runs.csv", stats)
+    lag = protocol["lag"]
+    p1, p2, p3 = protocol["part1"], protocol["part2"], protocol["part3"]
+    result: dict[str, Any] = {
+        "provenance": provenance,
+        "part1": family(stats, [(p1["treatment"], ref, "", lag) for ref in p1["references"]]),
+        "part1_replication": family(stats, [(p1["treatment"], p1["replication"], "", lag)]),
+        "part2": family(stats, [(p2["treatment"], p2["reference"], tag, lag) for tag in p2["conditions"]]),
+        "part3": family(stats, [(a, b, "", lag) for a, b in p3["pairs"]]),
+        "search": pick_collapse(stats, protocol),
+        "activity": activity(stats),
+    }
+    pick = result["search"]
+    if any(s["tag"].startswith("search-") for s in stats):
+        (out / "collapse_pick.json").write_text(json.dumps(pick, indent=2))
+    picked = pick.get("picked")
+    if picked:
+        pairs = [tuple(x) for x in protocol["part4"]["confirm_pairs"]]
+        accuracy = family(stats, [(a, b, "collapse", picked["lag"]) for a, b in pairs])
+        collapse = collapse_rows(stats, pairs, picked["lag"])
+        adjusted = holm([r["wilcoxon_p"] for r in accuracy] + [r["p"] for r in collapse])
+        for r, q in zip(accuracy + collapse, adjusted, strict=True):
+            r["holm_p"] = q
+        result["confirm"] = {"accuracy": accuracy, "collapse": collapse}
+    (out / "study.json").write_text(json.dumps(result, indent=2, default=list))
+    (out / "study.md").write_text(report(result, protocol))
+    plot_parts(out, result)
+    return result
+
+
+def activity(stats: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per (tag, arm): mean share of steps with q below log(1.2) and mean intercepted fraction."""
+    cells: dict[tuple[str, str, int], list[dict[str, Any]]] = {}
+    for s in stats:
+        cells.setdefault((s["tag"], s["arm"], s["lag"]), []).append(s)
+    out = []
+    for (tag, arm, lag), rows in sorted(cells.items()):
+        q = [r["q_below_radius_frac"] for r in rows if r["q_below_radius_frac"] is not None]
+        icpt = [r["intercepted_frac"] for r in rows if r["intercepted_frac"] is not None]
+        out.append(
+            {
+                "tag": tag,
+                "arm": arm,
+                "lag": lag,
+                "runs": len(rows),
+                "q_below_radius_frac": sum(q) / len(q) if q else None,
+                "intercepted_frac": sum(icpt) / len(icpt) if icpt else None,
+                "collapsed": sum(bool(r["collapsed"]) for r in rows),
+            }
+        )
+    return out
+
+
+def _reading(r: dict[str, Any], alpha: float) -> str:
+    return "differs" if r["holm_p"] < alpha else "no difference detected"
+
+
+def report(result: dict[str, Any], protocol: dict[str, Any]) -> str:
+    p = result["provenance"]
+    alpha = protocol["alpha"]
+    lines = [
+        "# Breadth study (studies/breadth/study_protocol_breadth.md)",
+        "",
+        f"Protocol commit `{p.get('protocol_commit')}` (blob `{p.get('protocol_blob')}`), assets "
+        f"`{p.get('assets_fingerprint')}`" + (" (quick: not evidence)" if p.get("quick") else ""),
+    ]
+    titles = {
+        "part1": "Part 1: SAT-GSPO + R3 against the stabilizers (Holm over 5)",
+        "part1_replication": "Part 1: the primary contrast re-measured on these seeds",
+        "part2": "Part 2: the primary contrast under further mismatches (Holm over 3)",
+        "part3": "Part 3: the token level (Holm over 2)",
+    }
+    for key, title in titles.items():
+        lines += ["", f"## {title}", "", *table(result[key], alpha)]
+    search = result["search"]
+    lines += [
+        "",
+        "## Part 4: the collapse search",
+        "",
+        "| arm | lag | lr | router bias | collapsed | q below log(1.2) | held-out | qualifies |",
+    ]
+    lines.append("|---|---|---|---|---|---|---|---|")
+    for r in search["runs"]:
+        lines.append(
+            f"| {r['arm']} | {r['lag']} | {r['lr']:g} | {r['router_bias']:g} | {r['collapsed']} | "
+            f"{_f(r['q_below_radius_frac'], '.2f')} | {_f(r[KEY], '.3f')} | {r['qualifies']} |"
+        )
+    lines += ["", f"Picked: {search['picked']}" if search["picked"] else "Picked: none (no setting qualifies)"]
+    if "confirm" in result:
+        lines += ["", "### Confirmation (Holm over 4)", "", *table(result["confirm"]["accuracy"], alpha), ""]
+        lines += [
+            "| arm - reference | collapse rate arm | reference | only arm | only reference | McNemar p | Holm p |"
+        ]
+        lines.append("|---|---|---|---|---|---|---|")
+        for r in result["confirm"]["collapse"]:
+            lines.append(
+                f"| {r['arm']} - {r['reference']} | {r['a_rate']:.3f} | {r['b_rate']:.3f} | {r['a_only']} | "
+                f"{r['b_only']} | {r['p']:.3f} | {r['holm_p']:.3f} |"
+            )
+    lines += [
+        "",
+        "## SAT's activity per cell",
+        "",
+        "| tag | arm | lag | runs | q below log(1.2) | intercepted | collapsed |",
+    ]
+    lines.append("|---|---|---|---|---|---|---|")
+    for a in result["activity"]:
+        lines.append(
+            f"| {a['tag'] or '-'} | {a['arm']} | {a['lag']} | {a['runs']} | {_f(a['q_below_radius_frac'], '.2f')} | "
+            f"{_f(a['intercepted_frac'], '.4f')} | {a['collapsed']} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def table(rows: Sequence[dict[str, Any]], alpha: float) -> list[str]:
+    out = [
+        "| condition | arm - reference | seeds | arm | reference | difference [paired t 95%] | Wilcoxon p "
+        "| Holm p | perm. p | reading |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        lo, hi = r["ci"]
+        out.append(
+            f"| {r['tag'] or '-'} | {r['arm']} - {r['reference']} | {r['seeds']} | {r['arm_mean']:.4f} | "
+            f"{r['ref_mean']:.4f} | {r['diff']:+.4f} [{lo:+.4f}, {hi:+.4f}] | {r['wilcoxon_p']:.3f} | "
+            f"{r['holm_p']:.3f} | {_f(r['permutation_p'], '.3f')} | {_reading(r, alpha)} |"
+        )
+    return out
+
+
+def _f(value: Any, spec: str) -> str:
+    return format(value, spec) if isinstance(value, int | float) else "-"
+
+
+def plot_parts(out: Path, result: dict[str, Any]) -> None:
+    """One forest plot per part (differences and their 95% intervals), the search's grid."""
+    plt = base._plt()
+    for name, key in (("part1_stabilizers", "part1"), ("part2_mismatch", "part2"), ("part3_token", "part3")):
+        rows = result[key] + (result["part1_replication"] if key == "part2" else [])
+        if not rows:
+            continue
+        fig, ax = plt.subplots(figsize=(7, 0.6 * len(rows) + 1.6))
+        labels = [f"{r['tag'] or 'draw0'}: {r['arm']} - {r['reference']}" for r in rows]
+        for y, r in enumerate(rows):
+            ax.errorbar(r["diff"], y, xerr=[[r["diff"] - r["ci"][0]], [r["ci"][1] - r["diff"]]], fmt="o", capsize=3)
+        ax.axvline(0.0, color="gray", lw=0.8)
+        ax.set_yticks(range(len(rows)), labels)
+        ax.set_xlabel("held-out accuracy difference after step 240 [paired t 95%]")
+        fig.tight_layout()
+        fig.savefig(out / f"{name}.png", dpi=110)
+        plt.close(fig)
+    runs = result["search"]["runs"]
+    if runs:
+        fig, ax = plt.subplots(figsize=(8, 3.6))
+        labels = [f"{r['arm']} lag{r['lag']} lr{r['lr']:g} rb{r['router_bias']:g}" for r in runs]
+        colors = ["tab:red" if r["collapsed"] else "tab:blue" for r in runs]
+        ax.bar(range(len(runs)), [r[KEY] or 0.0 for r in runs], color=colors)
+        ax.set_xticks(range(len(runs)), labels, rotation=70, fontsize=7)
+        ax.set_ylabel("held-out accuracy (red: a sentinel alarm)")
+        ax.set_title("part 4: baselines without R3, one seed")
+        fig.tight_layout()
+        fig.savefig(out / "part4_search.png", dpi=110)
+        plt.close(fig)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("phase", choices=(*PHASES, "all", "quick", "summarize"))
+    parser.add_argument("dir", nargs="?", type=Path)
+    parser.add_argument("--out", type=Path)
+    parser.add_argument("--jobs", type=int, default=2)
+    parser.add_argument("--assets", type=Path)
+    parser.add_argument("--dry-run", action="store_true")
+    args = parser.parse_args(argv)
+    protocol = base.read_protocol(PROTOCOL)
+    out = (args.dir or args.out).resolve()
+    if args.phase == "summarize":
+        summarize(out, protocol)
+        print((out / "study.md").read_text())
+        return 0
+    quick = args.phase == "quick"
+    provenance: dict[str, Any] = {"quick": quick}
+    if not quick:
+        provenance.update(base.protocol_state(PROTOCOL))
+    phases = PHASES if args.phase in ("all", "quick") else (args.phase,)
+    assets = args.assets or base._default_assets()
+    provenance["assets_fingerprint"] = base.assets_fingerprint(assets)
+    for phase in phases:
+        if phase == "confirm":
+            summarize(out, protocol)  # the search's pick, by the protocol's rule
+        specs = phase_specs(protocol, phase, quick, out)
+        print(f"[study] {phase}: {len(specs)} runs", flush=True)
+        if args.dry_run:
+            for spec in specs:
+                print(spec.name)
+            continue
+        if specs:
+            minutes = base.execute(specs, out, assets, args.jobs, provenance)
+            print(f"[study] {phase}: {len(specs)} runs in {minutes:.1f} min", flush=True)
+    if not args.dry_run:
+        summarize(out, protocol)
+        print((out / "study.md").read_text())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
