@@ -150,7 +150,7 @@ def run_row(run_dir: Path, protocol: dict[str, Any], checkpoints: Sequence[int])
     out["heldout_acc"] = by_step.get(last, {}).get(HELDOUT_KEY)
     out["heldout_greedy_acc"] = by_step.get(last, {}).get(HELDOUT_GREEDY_KEY)
     out["dbar_pi_final"] = sum(r["actor/mismatch_abs_mean"] for r in quarter) / len(quarter)
-    out["q_below_radius_frac"] = sum(q < RADIUS for q in qs) / max(1, len(qs))
+    out["q_below_radius_frac"] = sum(q < RADIUS for q in qs) / len(qs) if qs else None  # SAT off logs no q
     out["intercepted_frac"] = sum(r.get("actor/sat_intercepted_frac", 0.0) for r in rows) / max(1, len(rows))
     out["steps"] = len(rows)
     return out
@@ -200,7 +200,10 @@ def summarize(out: Path) -> dict[str, Any]:
     seeds = sorted(set(cell(treat, "heldout_acc")) & set(cell(ref, "heldout_acc")))
     result["loop_same_seeds"] = loop_pairs(seeds, protocol) if not quick else None
     result["activity"] = {
-        arm: {k: _mean([r[k] for r in rows if r["arm"] == arm]) for k in ("q_below_radius_frac", "intercepted_frac")}
+        arm: {
+            k: _mean([r[k] for r in rows if r["arm"] == arm and r[k] is not None])
+            for k in ("q_below_radius_frac", "intercepted_frac")
+        }
         for arm in (treat, ref)
     }
     (out / "study.json").write_text(json.dumps(result, indent=2, default=str))
@@ -255,7 +258,7 @@ def report(result: dict[str, Any], rows: list[dict[str, Any]], treat: str, ref: 
         lines.append(
             f"| {r['arm']} | {r['seed']} | {_f(r.get('heldout_acc'), '.3f')} | "
             f"{_f(r.get('heldout_greedy_acc'), '.3f')} | "
-            f"{_f(r['q_below_radius_frac'], '.2f')} | {_f(r['intercepted_frac'], '.4f')} |"
+            f"{_f(r.get('q_below_radius_frac'), '.2f')} | {_f(r['intercepted_frac'], '.4f')} |"
         )
     return "\n".join(lines) + "\n"
 
