@@ -3,13 +3,12 @@ study end to end (pilot, target, fixed and auto arms, summary)."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import statistics
-import sys
 from pathlib import Path
 
 import pytest
+from study_scripts import load_study
 from test_job_summary import at, capture_figures, legend_labels, points
 
 REPO = Path(__file__).resolve().parents[1]
@@ -23,11 +22,7 @@ def saved_figures(monkeypatch) -> dict:
 
 @pytest.fixture(scope="module")
 def autolag():
-    spec = importlib.util.spec_from_file_location("autolag_study", STUDY / "autolag_study.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["autolag_study"] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_study("autolag", "autolag_study")
 
 
 def test_the_protocol_fixes_fresh_seeds_and_the_four_arms(autolag):

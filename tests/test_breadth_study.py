@@ -3,11 +3,10 @@ part 4's rule picks as written, and the families are Holm-adjusted."""
 
 from __future__ import annotations
 
-import importlib
-import sys
 from pathlib import Path
 
 import pytest
+from study_scripts import load_study
 
 REPO = Path(__file__).resolve().parents[1]
 USED_SEEDS = {801, 802, 901, 2901, *range(1001, 1017), *range(2001, 2019)}
@@ -15,11 +14,7 @@ USED_SEEDS = {801, 802, 901, 2901, *range(1001, 1017), *range(2001, 2019)}
 
 @pytest.fixture(scope="module")
 def breadth():
-    sys.path.insert(0, str(REPO / "studies" / "breadth"))
-    try:
-        yield importlib.import_module("breadth_study")
-    finally:
-        sys.path.remove(str(REPO / "studies" / "breadth"))
+    return load_study("breadth", "breadth_study")
 
 
 def test_each_phase_is_the_protocols_runs_on_fresh_seeds(breadth):

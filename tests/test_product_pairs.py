@@ -3,24 +3,19 @@
 from __future__ import annotations
 
 import csv
-import importlib
 import json
 import re
-import sys
 from pathlib import Path
 
 import pytest
+from study_scripts import load_study
 
 REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
 def pairs():
-    sys.path.insert(0, str(REPO / "studies" / "product"))
-    try:
-        yield importlib.import_module("product_pairs")
-    finally:
-        sys.path.remove(str(REPO / "studies" / "product"))
+    return load_study("product", "product_pairs")
 
 
 def test_each_launch_is_the_protocols_overrides_then_the_arm_and_seed(pairs):

@@ -4,13 +4,12 @@ through the worker pool."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from study_scripts import load_study
 from test_job_summary import at, capture_figures, points
 
 REPO = Path(__file__).resolve().parents[1]
@@ -24,11 +23,7 @@ def saved_figures(monkeypatch) -> dict:
 
 @pytest.fixture(scope="module")
 def study():
-    spec = importlib.util.spec_from_file_location("sat_study", STUDY / "sat_study.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["sat_study"] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_study("confirmatory", "sat_study")
 
 
 def test_the_search_runs_only_baselines_on_seeds_of_its_own(study):

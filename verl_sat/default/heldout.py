@@ -15,7 +15,7 @@ actor worker's model (``sat.heldout``, ``verl_sat.trainer.heldout``).
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import Any
 
 HELDOUT_KEY = "eval/heldout_acc"
@@ -60,14 +60,9 @@ class HeldoutConfig:
     @classmethod
     def from_node(cls, node: Any) -> HeldoutConfig:
         """Build from ``sat.heldout`` (a mapping or None); an unknown key is an error naming it."""
-        values = dict(node) if node is not None else {}
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(values) - known)
-        if unknown:
-            raise ValueError(
-                f"unknown key(s) under sat.heldout: {', '.join('sat.heldout.' + k for k in unknown)}; "
-                f"known: {sorted(known)}"
-            )
+        from verl_sat.files import known_keys
+
+        values = known_keys(dict(node) if node is not None else {}, cls, "sat.heldout")
         if "at" in values and values["at"] is not None:
             values["at"] = list(values["at"])
         return cls(**values)

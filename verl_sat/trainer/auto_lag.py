@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any
 
 AUTO = "auto"
@@ -82,15 +82,9 @@ class AutoLagConfig:
     @classmethod
     def from_node(cls, node: Any) -> AutoLagConfig:
         """Build from ``sat.auto_lag`` (a mapping or None); an unknown key is an error naming it."""
-        values = dict(node) if node is not None else {}
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(values) - known)
-        if unknown:
-            raise ValueError(
-                f"unknown key(s) under sat.auto_lag: {', '.join('sat.auto_lag.' + k for k in unknown)}; "
-                f"known: {sorted(known)}"
-            )
-        return cls(**values)
+        from verl_sat.files import known_keys
+
+        return cls(**known_keys(dict(node) if node is not None else {}, cls, "sat.auto_lag"))
 
     @property
     def key(self) -> str:

@@ -33,7 +33,7 @@ import json
 import os
 import re
 import shutil
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -89,16 +89,9 @@ class FaultConfig:
             from omegaconf import OmegaConf
 
             node = OmegaConf.to_container(node, resolve=True)
-        values = dict(node or {})
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(values) - known)
-        if unknown:
-            raise ValueError(
-                "unknown key(s) under sat.faults: "
-                + ", ".join("sat.faults." + k for k in unknown)
-                + f"; known: {sorted(known)}"
-            )
-        return cls(**values)
+        from verl_sat.files import known_keys
+
+        return cls(**known_keys(dict(node or {}), cls, "sat.faults"))
 
 
 # ---------------------------------------------------------------------------------------------

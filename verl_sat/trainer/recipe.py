@@ -115,13 +115,9 @@ class SATRecipeConfig:
     @classmethod
     def from_node(cls, node: Any) -> SATRecipeConfig:
         """Build from the ``sat:`` DictConfig; unknown keys are an error naming the key."""
-        values = dict(node) if node is not None else {}
-        known = {f for f in cls.__dataclass_fields__}
-        unknown = sorted(set(values) - known)
-        if unknown:
-            raise ValueError(
-                f"unknown key(s) under sat: {', '.join('sat.' + k for k in unknown)}; known: {sorted(known)}"
-            )
+        from verl_sat.files import known_keys
+
+        values = known_keys(dict(node) if node is not None else {}, cls, "sat")
         sentinel = SentinelConfig.from_node(values.pop("sentinel", None))
         values["faults"] = FaultConfig.from_node(values.pop("faults", None))
         values["auto_lag"] = AutoLagConfig.from_node(values.pop("auto_lag", None))

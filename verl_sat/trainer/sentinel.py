@@ -56,7 +56,7 @@ import math
 import os
 from collections import deque
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -158,15 +158,9 @@ class SentinelConfig:
     @classmethod
     def from_node(cls, node: Any) -> SentinelConfig:
         """Build from the ``sat.sentinel`` node (DictConfig, dict or None); unknown keys are an error."""
-        values = _to_container(node)
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(values) - known)
-        if unknown:
-            raise ValueError(
-                f"unknown key(s) under sat.sentinel: {', '.join('sat.sentinel.' + k for k in unknown)}; "
-                f"known: {sorted(known)}"
-            )
-        return cls(**values)
+        from verl_sat.files import known_keys
+
+        return cls(**known_keys(_to_container(node), cls, "sat.sentinel"))
 
 
 def _check(name: str, value: Any, ok: bool, expected: str) -> None:
