@@ -75,3 +75,26 @@ def test_docs_quote_the_loops_committed_numbers_for_the_six_seeds(pairs):
     quoted = f"{loop['diff']:+.3f} [{low:+.3f}, {high:+.3f}], {loop['positive']} of {loop['seeds']}"
     assert quoted in text and loop["assets"] == ["2b075c5327f3f62d"] and "`2b075c5327f3f62d`" in text
     assert re.search(r"\(the 16-seed primary: \+0\.049\)", text)
+
+
+def test_docs_quote_the_committed_product_pairs(pairs):
+    """docs/study.md's product-path numbers are recomputed here from the committed runs.csv."""
+    import csv as _csv
+
+    results = REPO / "studies" / "product" / "results"
+    rows = list(_csv.DictReader((results / "runs.csv").open()))
+    protocol = pairs.read_protocol(pairs.PROTOCOL)
+    assert {r["protocol_blob"] for r in rows} == {pairs.protocol_state(pairs.PROTOCOL, REPO)["protocol_blob"]}
+    text = (REPO / "docs" / "study.md").read_text()
+    for key in ("heldout_acc", "heldout_acc@60", "heldout_acc@120", "heldout_acc@180"):
+
+        def cell(arm, key=key):
+            return {int(r["seed"]): float(r[key]) for r in rows if r["arm"] == arm and r[key]}
+
+        c = pairs.compare(cell(protocol["treatment"]), cell(protocol["reference"]))
+        low, high = c["ci"]
+        quoted = (
+            f"| {c['a_mean']:.3f} | {c['b_mean']:.3f} | {c['diff']:+.3f} [{low:+.3f}, {high:+.3f}] | "
+            f"{c['wilcoxon_p']:.3f} | {c['positive']} of {c['seeds']} |"
+        )
+        assert quoted in text, quoted
