@@ -101,3 +101,9 @@ def test_a_family_is_holm_adjusted_on_its_wilcoxon_p(breadth):
         breadth._reading(by_ref["a"], 0.05) == "differs"
         and breadth._reading(by_ref["b"], 0.05) == "no difference detected"
     )
+    # one contrast under several conditions keeps each condition's tag
+    tagged = [dict(r, tag=tag) for r in stats for tag in ("draw1", "draw2")]
+    assert [r["tag"] for r in breadth.family(tagged, [("t", "a", "draw1", 8), ("t", "a", "draw2", 8)])] == [
+        "draw1",
+        "draw2",
+    ]

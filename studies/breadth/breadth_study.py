@@ -141,9 +141,8 @@ def read_pick(out: Path) -> dict[str, Any] | None:
 def family(stats: Sequence[dict[str, Any]], pairs: Sequence[tuple[str, str, str, int]]) -> list[dict[str, Any]]:
     """The paired contrasts (arm, reference, tag, lag) on the final held-out accuracy, Holm-adjusted
     within the family (the Wilcoxon p)."""
-    rows = [r for arm, ref, tag, lag in pairs if (r := base.paired(stats, arm, ref, lag, KEY, tag))]
+    rows = [{**r, "tag": tag} for arm, ref, tag, lag in pairs if (r := base.paired(stats, arm, ref, lag, KEY, tag))]
     for r, adjusted in zip(rows, holm([r["wilcoxon_p"] for r in rows]), strict=True):
-        r["tag"] = next(tag for arm, ref, tag, _ in pairs if (arm, ref) == (r["arm"], r["reference"]))
         r["holm_p"] = adjusted
     return rows
 
