@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import csv
 import json
-import math
 import subprocess
 import sys
 import time
@@ -38,15 +37,14 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 PROTOCOL = HERE / "study_protocol_product.md"
 sys.path.insert(0, str(HERE.parent / "confirmatory"))
-from sat_study import assets_fingerprint, protocol_state, read_protocol  # noqa: E402  (one protocol check)
+from sat_study import RADIUS, assets_fingerprint, protocol_state, read_protocol  # noqa: E402  (one protocol check)
 
 from verl_sat.default.heldout import HELDOUT_GREEDY_KEY, HELDOUT_KEY  # noqa: E402
 from verl_sat.files import read_jsonl  # noqa: E402
-from verl_sat.study.stats import paired_comparison  # noqa: E402
+from verl_sat.study.stats import final_mean, paired_comparison  # noqa: E402
 from verl_sat.trainer.heldout import STEP_KEY  # noqa: E402
 
 LOOP_RUNS = REPO / "studies" / "confirmatory" / "results" / "runs.csv"
-RADIUS = math.log(1.2)
 TIMEOUT_S = 3600
 
 
@@ -144,12 +142,11 @@ def run_row(run_dir: Path, protocol: dict[str, Any], checkpoints: Sequence[int])
     rows = [r["data"] for r in read_jsonl(run_dir / "metrics.jsonl")]
     by_step = {int(r[STEP_KEY]): r for r in rows if STEP_KEY in r}
     qs = [r["actor/sat_q"] for r in rows if "actor/sat_q" in r]
-    quarter = rows[-max(1, len(rows) // 4) :]
     out: dict[str, Any] = {f"heldout_acc@{s}": by_step[s][HELDOUT_KEY] for s in checkpoints if s in by_step}
     last = max(checkpoints)
     out["heldout_acc"] = by_step.get(last, {}).get(HELDOUT_KEY)
     out["heldout_greedy_acc"] = by_step.get(last, {}).get(HELDOUT_GREEDY_KEY)
-    out["dbar_pi_final"] = sum(r["actor/mismatch_abs_mean"] for r in quarter) / len(quarter)
+    out["dbar_pi_final"] = final_mean([r["actor/mismatch_abs_mean"] for r in rows])  # the studies' last quarter
     out["q_below_radius_frac"] = sum(q < RADIUS for q in qs) / len(qs) if qs else None  # SAT off logs no q
     out["intercepted_frac"] = sum(r.get("actor/sat_intercepted_frac", 0.0) for r in rows) / max(1, len(rows))
     out["steps"] = len(rows)

@@ -74,13 +74,9 @@ def to_row(problem: Problem, split: str, index: int) -> dict:
     }
 
 
-def sample_problems(n: int, seed: int) -> list[Problem]:
-    """``n`` problems from a seeded generator."""
-    rng = random.Random(seed)
-    return [sample_problem(rng) for _ in range(n)]
-
-
-def sample_problems_without(n: int, seed: int, excluded: set[tuple[int, int]]) -> list[Problem]:
+def sample_problems(
+    n: int, seed: int, excluded: frozenset[tuple[int, int]] | set[tuple[int, int]] = frozenset()
+) -> list[Problem]:
     """``n`` problems from a seeded generator, skipping every ``(a, b)`` in ``excluded``."""
     rng, out = random.Random(seed), []
     while len(out) < n:
@@ -107,11 +103,7 @@ def write_parquet(
 
         excluded = {(p.a, p.b) for p in heldout_problems(exclude_heldout)}
     for split, n, split_seed in (("train", n_train, seed), ("val", n_val, seed + 1)):
-        problems = (
-            sample_problems_without(n, split_seed, excluded)
-            if split == "train" and excluded
-            else sample_problems(n, split_seed)
-        )
+        problems = sample_problems(n, split_seed, excluded if split == "train" else frozenset())
         rows = [to_row(p, split, i) for i, p in enumerate(problems)]
         path = out / f"{split}.parquet"
         pd.DataFrame(rows).to_parquet(path)

@@ -122,10 +122,13 @@ class SATRecipeConfig:
         values["faults"] = FaultConfig.from_node(values.pop("faults", None))
         values["auto_lag"] = AutoLagConfig.from_node(values.pop("auto_lag", None))
         values["heldout"] = HeldoutConfig.from_node(values.pop("heldout", None))
-        if values["heldout"].enabled and not values.get("actor", True):
-            raise ValueError("sat.heldout.problems > 0 needs sat.actor=true (it runs in SATTrainerMixin)")
-        if sentinel.enabled and not values.get("actor", True):
-            raise ValueError("sat.sentinel.enabled=true needs sat.actor=true (the sentinel runs in SATTrainerMixin)")
+        needs_actor = (
+            (sentinel.enabled, "sat.sentinel.enabled=true needs sat.actor=true (the sentinel runs in SATTrainerMixin)"),
+            (values["heldout"].enabled, "sat.heldout.problems > 0 needs sat.actor=true (it runs in SATTrainerMixin)"),
+        )
+        for on, why in needs_actor:
+            if on and not values.get("actor", True):
+                raise ValueError(why)
         return cls(**values, sentinel=sentinel)
 
 
