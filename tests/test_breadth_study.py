@@ -107,3 +107,26 @@ def test_a_family_is_holm_adjusted_on_its_wilcoxon_p(breadth):
         "draw1",
         "draw2",
     ]
+
+
+def test_the_committed_csv_reads_back_as_the_runs_wrote_it(breadth, tmp_path):
+    """read_rows(runs.csv) gives the analysis the numbers summarize had: same families, same pick,
+    the same quoted table (None, booleans, checkpoints and tags survive the CSV)."""
+    protocol = breadth.base.read_protocol(breadth.PROTOCOL)
+    stats = []
+    for seed in range(3001, 3005):
+        for arm in ("sat_gspo_r3", "gspo_r3", "gspo_r3_tis", "sat_grpo", "grpo"):
+            acc = 0.5 + 0.01 * (seed % 7) + (0.02 if arm.startswith("sat") else 0.0) + 0.003 * len(arm)
+            stats.append({**row(arm, "", 8, False, 0.75, acc, seed), "heldout_acc@60": None, "dbar_pi_final": 0.1})
+        stats.append({**row("sat_gspo_r3", "draw1", 8, None, None, 0.4, seed), "heldout_acc@60": 0.3})
+        stats.append({**row("gspo_r3", "draw1", 8, True, 0.5, 0.35 + 0.001 * seed, seed), "heldout_acc@60": 0.3})
+    stats.append(row("gspo", breadth.search_tag(1e-3, 1.5), 16, True, 0.6, 0.05))
+    stats = [{**s, "intercepted_frac": 0.01 * (i % 3) or None} for i, s in enumerate(stats)]
+    back = breadth.read_rows(breadth.base.write_csv(tmp_path / "runs.csv", stats))
+    assert [r["collapsed"] for r in back] == [r["collapsed"] for r in stats]
+    assert [r["heldout_acc@60"] for r in back] == [r.get("heldout_acc@60") for r in stats]
+    before, after = breadth.from_rows(stats, protocol), breadth.from_rows(back, protocol)
+    assert breadth.quote_lines(before, 0.05) == breadth.quote_lines(after, 0.05)
+    assert len(breadth.quote_lines(after, 0.05)) == 2 + 1 + 1 + 1 + 1  # header, replication, TIS, draw1, GRPO
+    assert before["search"] == after["search"] and after["search"]["picked"]["lag"] == 16
+    assert before["activity"] == after["activity"]

@@ -19,6 +19,7 @@ commit and blob and the assets' fingerprint.
 from __future__ import annotations
 
 import argparse
+import csv
 import json
 import math
 import sys
@@ -35,6 +36,21 @@ from verl_sat.study.stats import holm, mcnemar_exact  # noqa: E402
 
 PHASES = ("part1", "part2", "part3", "search", "confirm")
 KEY = "heldout_acc"
+LABELS = {
+    "sat_gspo_r3": "SAT-GSPO + R3",
+    "gspo_r3": "GSPO + R3",
+    "gspo_r3_tis": "GSPO + R3 + TIS",
+    "gspo_r3_icepop": "GSPO + R3 + IcePop",
+    "gspo_r3_geo_rs": "GSPO + R3 + geometric rejection",
+    "cispo_r3": "CISPO + R3",
+    "dppo_tv_r3": "DPPO-TV + R3",
+    "sat_grpo_r3": "SAT-GRPO + R3",
+    "grpo_r3": "GRPO + R3",
+    "sat_grpo": "SAT-GRPO",
+    "grpo": "GRPO",
+    "sat_gspo": "SAT-GSPO",
+    "gspo": "GSPO",
+}
 
 
 def settings_of(protocol: dict[str, Any], quick: bool = False, **extra: Any) -> dict[str, Any]:
@@ -169,32 +185,12 @@ def summarize(out: Path, protocol: dict[str, Any]) -> dict[str, Any]:
     stats = [{**base.run_stats(s, runs[s.name]), **provenance} for s in specs]
     if stats:
         base.write_csv(out / "runs.csv", stats)
-    lag = protocol["lag"]
-    p1, p2, p3 = protocol["part1"], protocol["part2"], protocol["part3"]
-    result: dict[str, Any] = {
-        "provenance": provenance,
-        "part1": family(stats, [(p1["treatment"], ref, "", lag) for ref in p1["references"]]),
-        "part1_replication": family(stats, [(p1["treatment"], p1["replication"], "", lag)]),
-        "part2": family(stats, [(p2["treatment"], p2["reference"], tag, lag) for tag in p2["conditions"]]),
-        "part3": family(stats, [(a, b, "", lag) for a, b in p3["pairs"]]),
-        "search": pick_collapse(stats, protocol),
-        "activity": activity(stats),
-    }
-    pick = result["search"]
+    result = {"provenance": provenance, **from_rows(stats, protocol)}
     if any(s["tag"].startswith("search-") for s in stats):
-        (out / "collapse_pick.json").write_text(json.dumps(pick, indent=2))
-    picked = pick.get("picked")
-    if picked:
-        pairs = [tuple(x) for x in protocol["part4"]["confirm_pairs"]]
-        accuracy = family(stats, [(a, b, "collapse", picked["lag"]) for a, b in pairs])
-        collapse = collapse_rows(stats, pairs, picked["lag"])
-        adjusted = holm([r["wilcoxon_p"] for r in accuracy] + [r["p"] for r in collapse])
-        for r, q in zip(accuracy + collapse, adjusted, strict=True):
-            r["holm_p"] = q
-        result["confirm"] = {"accuracy": accuracy, "collapse": collapse}
+        (out / "collapse_pick.json").write_text(json.dumps(result["search"], indent=2))
     (out / "study.json").write_text(json.dumps(result, indent=2, default=list))
     (out / "study.md").write_text(report(result, protocol))
-    plot_parts(out, result)
+    plot_parts(out, result, protocol["part4"]["q_below_radius_min"])
     return result
 
 
@@ -221,6 +217,96 @@ def activity(stats: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
+NUMBER_SUFFIXES = ("_acc", "_initial", "_frac", "_final", "_reward", "_median")
+
+
+def read_rows(path: Path) -> list[dict[str, Any]]:
+    """A committed runs.csv typed as ``sat_study.run_stats`` writes it (what the analysis reads):
+    the analysis of the committed rows is the analysis of the runs."""
+    typed = []
+    for r in csv.DictReader(path.open()):
+        row: dict[str, Any] = {**r, "lag": int(r["lag"]), "seed": int(r["seed"])}
+        row["collapsed"] = {"True": True, "False": False}.get(r["collapsed"])
+        for k, v in r.items():
+            if k.startswith(f"{KEY}@") or k.endswith(NUMBER_SUFFIXES):
+                row[k] = float(v) if v else None
+        typed.append(row)
+    return typed
+
+
+def from_rows(stats: Sequence[dict[str, Any]], protocol: dict[str, Any]) -> dict[str, Any]:
+    """Every family of the protocol, the search's pick and the confirmation (if picked) from run rows."""
+    lag = protocol["lag"]
+    p1, p2, p3 = protocol["part1"], protocol["part2"], protocol["part3"]
+    result: dict[str, Any] = {
+        "part1": family(stats, [(p1["treatment"], ref, "", lag) for ref in p1["references"]]),
+        "part1_replication": family(stats, [(p1["treatment"], p1["replication"], "", lag)]),
+        "part2": family(stats, [(p2["treatment"], p2["reference"], tag, lag) for tag in p2["conditions"]]),
+        "part3": family(stats, [(a, b, "", lag) for a, b in p3["pairs"]]),
+        "search": pick_collapse(stats, protocol),
+        "activity": activity(stats),
+    }
+    picked = result["search"].get("picked")
+    if picked:
+        pairs = [tuple(x) for x in protocol["part4"]["confirm_pairs"]]
+        accuracy = family(stats, [(a, b, "collapse", picked["lag"]) for a, b in pairs])
+        collapse = collapse_rows(stats, pairs, picked["lag"])
+        adjusted = holm([r["wilcoxon_p"] for r in accuracy] + [r["p"] for r in collapse])
+        for r, q in zip(accuracy + collapse, adjusted, strict=True):
+            r["holm_p"] = q
+        result["confirm"] = {"accuracy": accuracy, "collapse": collapse}
+    return result
+
+
+QUOTED = (
+    ("part1_replication", "1 (replication, alone)"),
+    ("part1", "1 (Holm over 5)"),
+    ("part2", "2 (Holm over 3)"),
+    ("part3", "3 (Holm over 2)"),
+)
+
+
+def quote_lines(result: dict[str, Any], alpha: float) -> list[str]:
+    """The table docs/study.md quotes: every contrast of parts 1-3 (and the confirmation's
+    accuracy), three decimals, the positive pairs and the protocol's reading."""
+    lines = [
+        "| part | condition | arm | reference | arm acc. | ref. acc. | difference [paired t 95%] "
+        "| Wilcoxon p | Holm p | positive pairs | reading |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    parts = [(result[key], part) for key, part in QUOTED]
+    if "confirm" in result:
+        parts.append((result["confirm"]["accuracy"], "4 (Holm over 4)"))
+    for rows, part in parts:
+        for r in rows:
+            lo, hi = r["ci"]
+            positive = sum(d > 0 for d in r["diffs"])
+            lines.append(
+                f"| {part} | {r['tag'] or 'draw0'} | {LABELS[r['arm']]} | {LABELS[r['reference']]} | "
+                f"{r['arm_mean']:.3f} | {r['ref_mean']:.3f} | {r['diff']:+.3f} [{lo:+.3f}, {hi:+.3f}] | "
+                f"{r['wilcoxon_p']:.3f} | {r['holm_p']:.3f} | {positive} of {r['seeds']} | {_reading(r, alpha)} |"
+            )
+    return lines
+
+
+def search_line(search: dict[str, Any], minimum: float) -> str:
+    """The search in one sentence: how many runs collapsed, how many left SAT room, the pick."""
+    runs = search["runs"]
+    collapsed = sum(bool(r["collapsed"]) for r in runs)
+    room = sum((r["q_below_radius_frac"] or 0.0) >= minimum for r in runs)
+    picked = search["picked"]
+    verdict = (
+        f"picked lag {picked['lag']}, lr {picked['lr']:g}, router bias {picked['router_bias']:g} "
+        f"({', '.join(picked['arms'])})"
+        if picked
+        else "no setting qualifies"
+    )
+    return (
+        f"{collapsed} of {len(runs)} search runs collapsed by the sentinel's criterion; {room} of {len(runs)} "
+        f"had q below log(1.2) on at least {minimum:.0%} of steps; {verdict}"
+    )
+
+
 def _reading(r: dict[str, Any], alpha: float) -> str:
     return "differs" if r["holm_p"] < alpha else "no difference detected"
 
@@ -234,6 +320,8 @@ def report(result: dict[str, Any], protocol: dict[str, Any]) -> str:
         f"Protocol commit `{p.get('protocol_commit')}` (blob `{p.get('protocol_blob')}`), assets "
         f"`{p.get('assets_fingerprint')}`" + (" (quick: not evidence)" if p.get("quick") else ""),
     ]
+    lines += ["", "## Summary (the table docs/study.md quotes)", "", *quote_lines(result, alpha)]
+    lines += ["", f"Part 4: {search_line(result['search'], protocol['part4']['q_below_radius_min'])}."]
     titles = {
         "part1": "Part 1: SAT-GSPO + R3 against the stabilizers (Holm over 5)",
         "part1_replication": "Part 1: the primary contrast re-measured on these seeds",
@@ -302,7 +390,7 @@ def _f(value: Any, spec: str) -> str:
     return format(value, spec) if isinstance(value, int | float) else "-"
 
 
-def plot_parts(out: Path, result: dict[str, Any]) -> None:
+def plot_parts(out: Path, result: dict[str, Any], minimum: float) -> None:
     """One forest plot per part (differences and their 95% intervals), the search's grid."""
     plt = base._plt()
     for name, key in (("part1_stabilizers", "part1"), ("part2_mismatch", "part2"), ("part3_token", "part3")):
@@ -321,13 +409,26 @@ def plot_parts(out: Path, result: dict[str, Any]) -> None:
         plt.close(fig)
     runs = result["search"]["runs"]
     if runs:
-        fig, ax = plt.subplots(figsize=(8, 3.6))
-        labels = [f"{r['arm']} lag{r['lag']} lr{r['lr']:g} rb{r['router_bias']:g}" for r in runs]
-        colors = ["tab:red" if r["collapsed"] else "tab:blue" for r in runs]
-        ax.bar(range(len(runs)), [r[KEY] or 0.0 for r in runs], color=colors)
-        ax.set_xticks(range(len(runs)), labels, rotation=70, fontsize=7)
-        ax.set_ylabel("held-out accuracy (red: a sentinel alarm)")
-        ax.set_title("part 4: baselines without R3, one seed")
+        # the rule on one page: a setting qualifies in the upper-right (a collapse where SAT can act)
+        fig, ax = plt.subplots(figsize=(8, 4.6))
+        ax.axvspan(minimum, 1.0, color="tab:green", alpha=0.08, label=f"q below log(1.2) on >= {minimum:.0%} of steps")
+        for r in runs:
+            x, y = r["q_below_radius_frac"] or 0.0, r[KEY] or 0.0
+            color = "tab:red" if r["collapsed"] else "tab:blue"
+            ax.scatter(x, y, color=color, marker="o" if r["arm"] == "gspo" else "s", s=40)
+            ax.annotate(
+                f"{r['arm']} {r['lag']} {r['lr']:g} {r['router_bias']:g}",
+                (x, y),
+                fontsize=6,
+                xytext=(3, 2),
+                textcoords="offset points",
+            )
+        ax.axvline(minimum, color="tab:green", ls="--", lw=0.8)
+        ax.set_xlim(-0.02, 1.0)
+        ax.set_xlabel("share of steps with q below log(1.2) (SAT can act)")
+        ax.set_ylabel("held-out accuracy after the last step")
+        ax.set_title("part 4: baselines without R3, seed 3901 (red: a sentinel alarm; label: arm lag lr bias)")
+        ax.legend(loc="lower right", fontsize=7)
         fig.tight_layout()
         fig.savefig(out / "part4_search.png", dpi=110)
         plt.close(fig)
