@@ -130,3 +130,29 @@ def test_the_committed_csv_reads_back_as_the_runs_wrote_it(breadth, tmp_path):
     assert len(breadth.quote_lines(after, 0.05)) == 2 + 1 + 1 + 1 + 1  # header, replication, TIS, draw1, GRPO
     assert before["search"] == after["search"] and after["search"]["picked"]["lag"] == 16
     assert before["activity"] == after["activity"]
+
+
+RESULTS = REPO / "studies" / "breadth" / "results"
+
+
+def test_docs_and_readme_quote_the_committed_breadth_results(breadth):
+    """docs/study.md's breadth table, the search's verdict and the README's breadth sentence are
+    recomputed here from the committed runs.csv, whose every row carries the protocol's hash; each
+    arm of parts 1-3 has the protocol's 16 seeds."""
+    protocol = breadth.base.read_protocol(breadth.PROTOCOL)
+    rows = breadth.read_rows(RESULTS / "runs.csv")
+    state = breadth.base.protocol_state(breadth.PROTOCOL, REPO)
+    assert {r["protocol_blob"] for r in rows} == {state["protocol_blob"]} and {r["quick"] for r in rows} == {"False"}
+    for phase in ("part1", "part2", "part3"):
+        for spec in breadth.phase_specs(protocol, phase):
+            assert any(r["name"] == spec.name and r["heldout_acc"] is not None for r in rows), spec.name
+    result = breadth.from_rows(rows, protocol)
+    assert all(r["seeds"] == 16 for key, _ in breadth.QUOTED for r in result[key])
+    page = (REPO / "docs" / "study.md").read_text()
+    for line in [*breadth.quote_lines(result, protocol["alpha"]), *breadth.secondary_lines(rows, protocol)]:
+        assert line in page, line
+    assert breadth.search_line(result["search"], protocol["part4"]["q_below_radius_min"]) in " ".join(page.split())
+    readme = " ".join((REPO / "README.md").read_text().split())
+    for r in [*result["part1_replication"], *result["part1"], *result["part2"], *result["part3"]]:
+        lo, hi = r["ci"]
+        assert f"{r['diff']:+.3f} [{lo:+.3f}, {hi:+.3f}]" in readme, (r["arm"], r["reference"], r["tag"])

@@ -185,7 +185,7 @@ def summarize(out: Path, protocol: dict[str, Any]) -> dict[str, Any]:
     stats = [{**base.run_stats(s, runs[s.name]), **provenance} for s in specs]
     if stats:
         base.write_csv(out / "runs.csv", stats)
-    result = {"provenance": provenance, **from_rows(stats, protocol)}
+    result = {"provenance": provenance, **from_rows(stats, protocol), "secondary": secondary_lines(stats, protocol)}
     if any(s["tag"].startswith("search-") for s in stats):
         (out / "collapse_pick.json").write_text(json.dumps(result["search"], indent=2))
     (out / "study.json").write_text(json.dumps(result, indent=2, default=list))
@@ -284,8 +284,37 @@ def quote_lines(result: dict[str, Any], alpha: float) -> list[str]:
             lines.append(
                 f"| {part} | {r['tag'] or 'draw0'} | {LABELS[r['arm']]} | {LABELS[r['reference']]} | "
                 f"{r['arm_mean']:.3f} | {r['ref_mean']:.3f} | {r['diff']:+.3f} [{lo:+.3f}, {hi:+.3f}] | "
-                f"{r['wilcoxon_p']:.3f} | {r['holm_p']:.3f} | {positive} of {r['seeds']} | {_reading(r, alpha)} |"
+                f"{_p(r['wilcoxon_p'])} | {_p(r['holm_p'])} | {positive} of {r['seeds']} | {_reading(r, alpha)} |"
             )
+    return lines
+
+
+SECONDARY = (
+    ("heldout_acc@60", "held-out accuracy after step 60"),
+    ("heldout_acc@120", "after step 120"),
+    ("heldout_acc@180", "after step 180"),
+    ("dbar_pi_final", "dbar_pi, last quarter"),
+)
+
+
+def secondary_lines(stats: Sequence[dict[str, Any]], protocol: dict[str, Any]) -> list[str]:
+    """The secondary measures (no family, no Holm) of the replication and part 3's two contrasts:
+    the held-out accuracy after steps 60/120/180 and dbar_pi over the last quarter."""
+    lag = protocol["lag"]
+    p1 = protocol["part1"]
+    pairs = [(p1["treatment"], p1["replication"]), *[tuple(x) for x in protocol["part3"]["pairs"]]]
+    lines = [
+        "| arm - reference | measure | arm | reference | difference [paired t 95%] | Wilcoxon p |",
+        "|---|---|---|---|---|---|",
+    ]
+    for arm, ref in pairs:
+        for key, measure in SECONDARY:
+            if r := base.paired(stats, arm, ref, lag, key):
+                lo, hi = r["ci"]
+                lines.append(
+                    f"| {LABELS[arm]} - {LABELS[ref]} | {measure} | {r['arm_mean']:.3f} | {r['ref_mean']:.3f} | "
+                    f"{r['diff']:+.3f} [{lo:+.3f}, {hi:+.3f}] | {_p(r['wilcoxon_p'])} |"
+                )
     return lines
 
 
@@ -322,6 +351,7 @@ def report(result: dict[str, Any], protocol: dict[str, Any]) -> str:
     ]
     lines += ["", "## Summary (the table docs/study.md quotes)", "", *quote_lines(result, alpha)]
     lines += ["", f"Part 4: {search_line(result['search'], protocol['part4']['q_below_radius_min'])}."]
+    lines += ["", "Secondary measures (no Holm family):", "", *result.get("secondary", [])]
     titles = {
         "part1": "Part 1: SAT-GSPO + R3 against the stabilizers (Holm over 5)",
         "part1_replication": "Part 1: the primary contrast re-measured on these seeds",
@@ -386,6 +416,11 @@ def table(rows: Sequence[dict[str, Any]], alpha: float) -> list[str]:
     return out
 
 
+def _p(p: float) -> str:
+    """A p-value as the tables print it: three decimals, or "< 0.001" (16 pairs reach 2 / 2^16)."""
+    return "< 0.001" if p < 0.001 else f"{p:.3f}"
+
+
 def _f(value: Any, spec: str) -> str:
     return format(value, spec) if isinstance(value, int | float) else "-"
 
@@ -397,11 +432,16 @@ def plot_parts(out: Path, result: dict[str, Any], minimum: float) -> None:
         rows = result[key] + (result["part1_replication"] if key == "part2" else [])
         if not rows:
             continue
-        fig, ax = plt.subplots(figsize=(7, 0.6 * len(rows) + 1.6))
-        labels = [f"{r['tag'] or 'draw0'}: {r['arm']} - {r['reference']}" for r in rows]
+        fig, ax = plt.subplots(figsize=(11, 0.6 * len(rows) + 1.6))
+        labels = [f"{r['tag'] or 'draw0'}: {LABELS[r['arm']]} - {LABELS[r['reference']]}" for r in rows]
         for y, r in enumerate(rows):
             ax.errorbar(r["diff"], y, xerr=[[r["diff"] - r["ci"][0]], [r["ci"][1] - r["diff"]]], fmt="o", capsize=3)
+            positive = sum(d > 0 for d in r["diffs"])
+            note = f"  Holm p {_p(r['holm_p'])}, {positive}/{r['seeds']} > 0"
+            ax.annotate(note, (r["ci"][1], y), fontsize=7, va="center")
         ax.axvline(0.0, color="gray", lw=0.8)
+        low, high = ax.get_xlim()
+        ax.set_xlim(low, high + 0.45 * (high - low))  # room for the notes
         ax.set_yticks(range(len(rows)), labels)
         ax.set_xlabel("held-out accuracy difference after step 240 [paired t 95%]")
         fig.tight_layout()
