@@ -318,7 +318,16 @@ def test_resume_refuses_another_model(data: Path, tmp_path: Path) -> None:
             main(cli_args(other.url, data, out, "--resume"))
 
 
-def test_interrupt_keeps_the_samples(data: Path, tmp_path: Path) -> None:
+@pytest.fixture
+def sigint_raises():
+    """SIGINT raises KeyboardInterrupt, as at a terminal, also where the runner inherited it ignored
+    (a job started with ``&`` by a non-interactive shell, where the signal would never land)."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
+def test_interrupt_keeps_the_samples(data: Path, tmp_path: Path, sigint_raises: None) -> None:
     """Ctrl-C (SIGINT) mid-run: exit 130, every line on disk a whole sample, --resume continues."""
     problems = load_problems(data)
     out = tmp_path / "out"

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -112,3 +113,45 @@ def test_a_driver_the_interrupt_cannot_reach_is_ended_after_the_grace_period(tmp
     assert len(errors) == 1 and "the driver outlived" not in run.stdout
     fault = json.loads((tmp_path / "run.json").read_text())["fault"]
     assert (fault["kind"], fault["name"]) == ("rollout replica", "hf0")
+
+
+IGNORED_SIGINT_DRIVER = """
+import os, signal, subprocess, sys, time
+from pathlib import Path
+from verl_sat.trainer import supervisor
+
+assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN  # as a job started with & inherits it
+run_dir = Path(sys.argv[1])
+os.environ[supervisor.RUN_DIR_ENV] = str(run_dir)
+supervisor.GRACE_S = 300.0
+dead = subprocess.Popen([sys.executable, "-c", "pass"])
+dead.wait()
+supervisor.register("rollout replica", "hf0", pid=dead.pid)
+try:
+    with supervisor.Supervisor(run_dir, total_steps=10, interval=0.1):
+        try:
+            for _ in range(300):  # the interrupt lands between two short sleeps, as in a driver's poll
+                time.sleep(0.1)
+        except KeyboardInterrupt:
+            print("interrupted", flush=True)
+            raise
+finally:
+    print("the driver shut down", signal.getsignal(signal.SIGINT) is signal.SIG_IGN, flush=True)
+"""
+
+
+def test_a_driver_that_inherited_sigint_ignored_is_still_interrupted(tmp_path):
+    """A job started with ``&`` by a non-interactive shell (an sbatch script) inherits SIGINT
+    ignored, and ``interrupt_main`` then does nothing: the supervisor makes SIGINT raise while it
+    runs, so the driver takes the graceful path (its ``finally`` runs, exit 4) instead of the forced
+    exit, and the ignored disposition is restored after. Without it the child sleeps out its 30 s
+    uninterrupted."""
+    run = subprocess.run(
+        [sys.executable, "-c", IGNORED_SIGINT_DRIVER, str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN),
+    )
+    assert run.returncode == EXIT_PROCESS_DIED, run.stdout + run.stderr
+    assert "interrupted" in run.stdout and "the driver shut down True" in run.stdout, run.stdout + run.stderr

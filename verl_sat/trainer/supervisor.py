@@ -24,6 +24,7 @@ from __future__ import annotations
 import _thread
 import json
 import os
+import signal
 import socket
 import sys
 import threading
@@ -238,6 +239,12 @@ class Supervisor(threading.Thread):
         self.stopped.set()
 
     def __enter__(self) -> Supervisor:
+        # _thread.interrupt_main() does nothing while SIGINT is ignored, which is how a job started
+        # with `&` by a non-interactive shell (an sbatch script, nohup ... &) inherits it: the driver
+        # would then skip Ray's shutdown and end only by the forced exit. SIGINT raises here instead.
+        self._sigint = None
+        if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+            self._sigint = signal.signal(signal.SIGINT, signal.default_int_handler)
         self.start()
         return self
 
@@ -248,6 +255,8 @@ class Supervisor(threading.Thread):
         self.stop()
         if self.is_alive():
             self.join()
+        if self._sigint is not None:
+            signal.signal(signal.SIGINT, self._sigint)
         if self.failure is None and exc_type is not None and not issubclass(exc_type, KeyboardInterrupt):
             failure = self.check()
             if failure is not None:
