@@ -167,10 +167,13 @@ def test_fault_step_switches_the_noise_by_weight_version(engine: HFEngine, model
 @pytest.fixture(scope="module")
 def ray_cluster():
     ray = pytest.importorskip("ray")
+    saved = dict(os.environ)  # ray.init sets RAY_* variables here; later launches must not inherit them
     os.environ.setdefault("VERL_PLATFORM", "cpu")
-    ray.init(num_cpus=2, include_dashboard=False, ignore_reinit_error=True)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, ignore_reinit_error=True)
     yield ray
     ray.shutdown()
+    os.environ.clear()
+    os.environ.update(saved)
 
 
 def _rollout_config(**overrides):

@@ -291,7 +291,10 @@ def test_the_actors_engine_is_verls_with_the_mixins_and_registered_for_its_vendo
     from verl_sat.trainer.engines import StepQuantileEngine, engine_mixins, register_engine
 
     monkeypatch.setenv("VERL_ENGINE_DEVICE", "cuda")
-    monkeypatch.delenv("VERL_ENGINE_VENDOR", raising=False)
+    # set, then deleted: monkeypatch restores an unset variable only if it was the one to set it,
+    # and register_engine below sets it (left set, it reached every later launch's environment)
+    monkeypatch.setenv("VERL_ENGINE_VENDOR", "unset")
+    monkeypatch.delenv("VERL_ENGINE_VENDOR")
 
     def config(loss_mode: str, mode: str) -> DictConfig:
         return OmegaConf.create(
@@ -313,3 +316,39 @@ def test_the_actors_engine_is_verls_with_the_mixins_and_registered_for_its_vendo
     assert cls.__mro__[1:4] == (StepQuantileEngine, RoutingReplayFSDP, FSDPEngineWithLMHead)
     assert engine_mixins(config("vanilla", "disabled")) == ()
     assert engine_mixins(config("sat", "disabled")) == (StepQuantileEngine,)
+
+
+class _RecordingEngine:
+    """Stands in for verl's FSDP engine below the mixin: records the passes it is handed."""
+
+    engine_config = OmegaConf.create({"router_replay": {"mode": "R3"}})
+
+    def __init__(self) -> None:
+        self.passes: list[bool] = []
+
+    def forward_backward_batch(self, data, loss_function, forward_only=False):
+        self.passes.append(forward_only)
+        return {}
+
+
+@pytest.mark.parametrize("flag", [None, False])
+def test_a_training_pass_without_the_replay_flag_is_refused_under_r3(flag):
+    """R3 configured, a training pass without verl's per-batch flag: refused before any forward
+    (it would route on its own and train on other experts than mu's); forward-only passes without
+    the flag (the reference model's) and flagged training passes go through."""
+    from tensordict import TensorDict
+    from verl.utils import tensordict_utils as tu
+
+    from verl_sat.routing.fsdp import RoutingReplayFSDP
+
+    engine = type("Composed", (RoutingReplayFSDP, _RecordingEngine), {})()
+    data = TensorDict({"input_ids": torch.zeros(2, 3, dtype=torch.long)}, batch_size=[2])
+    if flag is not None:
+        tu.assign_non_tensor_data(data, "enable_routing_replay", flag)
+    with pytest.raises(RuntimeError, match="enable_routing_replay"):
+        engine.forward_backward_batch(data, None, forward_only=False)
+    assert engine.passes == []
+    engine.forward_backward_batch(data, None, forward_only=True)
+    tu.assign_non_tensor_data(data, "enable_routing_replay", True)
+    engine.forward_backward_batch(data, None, forward_only=False)
+    assert engine.passes == [True, False]

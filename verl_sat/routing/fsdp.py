@@ -48,7 +48,16 @@ class RoutingReplayFSDP:
         from verl.utils import tensordict_utils as tu
 
         mode = self._replay_mode()
-        active = mode != "disabled" and bool(tu.get_non_tensor_data(data, "enable_routing_replay", default=False))
+        flagged = bool(tu.get_non_tensor_data(data, "enable_routing_replay", default=False))
+        if mode != "disabled" and not forward_only and not flagged:
+            # a training pass that routes on its own while R2/R3 is configured trains on other
+            # experts than the log-probs it is scored against: refuse it instead of a silent dbar_pi
+            raise RuntimeError(
+                f"routing replay {mode}: a training pass arrived without verl's 'enable_routing_replay' "
+                "flag, so it would route on its own; the worker must set enable_routing_replay "
+                "(verl_sat.routing.prepare_worker, before verl's init_model)"
+            )
+        active = mode != "disabled" and flagged
         # R2 records in the forward-only pass that has no routes yet (compute_log_prob), as verl's
         # Megatron engine does; a forward-only pass over recorded routes (the step-scope scoring
         # pass, verl_sat.trainer.engines) replays them like the training pass it precedes
