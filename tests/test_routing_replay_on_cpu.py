@@ -352,3 +352,26 @@ def test_a_training_pass_without_the_replay_flag_is_refused_under_r3(flag):
     tu.assign_non_tensor_data(data, "enable_routing_replay", True)
     engine.forward_backward_batch(data, None, forward_only=False)
     assert engine.passes == [True, False]
+
+
+def test_an_r3_actor_whose_engine_does_not_replay_is_refused_after_init_model():
+    """The worker-level twin of the pass-level refusal: verl built an engine without the replay
+    mixin (register_engine did not run first), so the launch stops at init_model, naming the mode."""
+    from types import SimpleNamespace
+
+    from verl_sat import routing
+    from verl_sat.routing.fsdp import RoutingReplayFSDP
+
+    actor = OmegaConf.create({"strategy": "fsdp2", "fsdp_config": {"router_replay": {"mode": "R3"}}})
+
+    def worker(engine, role="actor_rollout", actor_config=actor):
+        return SimpleNamespace(
+            role=role, config=SimpleNamespace(actor=actor_config), actor=SimpleNamespace(engine=engine)
+        )
+
+    with pytest.raises(RuntimeError, match="routing replay R3: the actor's engine _RecordingEngine does not replay"):
+        routing.check_worker(worker(_RecordingEngine()))
+    routing.check_worker(worker(type("Composed", (RoutingReplayFSDP, _RecordingEngine), {})()))
+    routing.check_worker(worker(_RecordingEngine(), role="ref"))  # a reference worker replays nothing
+    disabled = OmegaConf.create({"strategy": "fsdp2", "fsdp_config": {"router_replay": {"mode": "disabled"}}})
+    routing.check_worker(worker(_RecordingEngine(), actor_config=disabled))

@@ -493,6 +493,37 @@ def check_context_length(cfg: DictConfig, facts: Facts) -> list[Finding]:
     return out
 
 
+def check_end_of_turn(cfg: DictConfig, facts: Facts) -> list[Finding]:
+    """The chat template's end-of-turn token is an id generation stops at (warn otherwise).
+
+    verl sends no stop ids with a request (agent_loop_tq.py), and SGLang with
+    ``skip_tokenizer_init`` stops only at the ``eos_token_id`` of config.json and
+    generation_config.json. A Base model's is ``<|endoftext|>`` while its chat template ends a turn
+    with ``<|im_end|>``: each response then runs past the answer's turn until ``<|endoftext|>`` or
+    the response budget, and the verifier reads whatever followed. Not refused: the paper's setting
+    is not stated (docs/gpu_path.md).
+    """
+    model = facts.model
+    if model.end_of_turn is None or not model.stop_ids:
+        return []
+    token, token_id = model.end_of_turn
+    if token_id in model.stop_ids:
+        return []
+    ids = sorted({*model.stop_ids, token_id})
+    return [
+        Finding(
+            "end_of_turn",
+            "actor_rollout_ref.model.path",
+            f"the chat template ends a turn with {token} (id {token_id}), but generation stops only at "
+            f"eos_token_id {list(model.stop_ids)} ({model.source}/config.json and generation_config.json; "
+            "verl sends no stop ids, SGLang skips the tokenizer): responses run on past the answer's turn "
+            f"until that token or data.max_response_length; to end them at the turn, set "
+            f'"eos_token_id": {ids} in {model.source}/generation_config.json',
+            level="warn",
+        )
+    ]
+
+
 def unknown_size(check: str) -> Finding:
     return Finding(
         check,
@@ -655,6 +686,7 @@ CHECKS: tuple[Callable[[DictConfig, Facts], list[Finding]], ...] = (
     check_checkpoint_engine,
     check_megatron,
     check_context_length,
+    check_end_of_turn,
     check_host_memory,
     check_disk,
     check_data,

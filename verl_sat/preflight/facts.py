@@ -96,11 +96,18 @@ class ModelFacts:
         config: the parsed ``config.json``, or None.
         weight_bytes: the checkpoint's size in bytes (``model.safetensors.index.json``'s
             ``metadata.total_size``, else the sum of ``*.safetensors``), or None.
+        stop_ids: the token ids generation stops at without a tokenizer (SGLang with
+            ``skip_tokenizer_init``): ``eos_token_id`` of ``config.json`` and of
+            ``generation_config.json``.
+        end_of_turn: (token, id) the tokenizer's chat template closes an assistant turn with, or
+            None (no local tokenizer or chat template).
     """
 
     source: str = ""
     config: dict[str, Any] | None = None
     weight_bytes: int | None = None
+    stop_ids: tuple[int, ...] = ()
+    end_of_turn: tuple[str, int] | None = None
 
 
 @dataclass

@@ -208,7 +208,42 @@ def probe_model(path: str) -> ModelFacts:
     if weight_bytes is None:
         shards = list(directory.glob("*.safetensors"))
         weight_bytes = sum(s.stat().st_size for s in shards) if shards else None
-    return ModelFacts(str(directory), config, None if weight_bytes is None else int(weight_bytes))
+    generation = directory / "generation_config.json"
+    stop_ids = eos_ids(config) + (eos_ids(json.loads(generation.read_text())) if generation.is_file() else ())
+    return ModelFacts(
+        str(directory),
+        config,
+        None if weight_bytes is None else int(weight_bytes),
+        tuple(sorted(set(stop_ids))),
+        end_of_turn(directory),
+    )
+
+
+def eos_ids(config: dict) -> tuple[int, ...]:
+    """``eos_token_id`` of a config file: one id, a list, or absent."""
+    value = config.get("eos_token_id")
+    return () if value is None else tuple(int(v) for v in (value if isinstance(value, list) else [value]))
+
+
+def end_of_turn(directory: Path) -> tuple[str, int] | None:
+    """The special token the tokenizer's chat template puts right after an assistant message,
+    found by rendering one exchange with transformers (local files only), or None."""
+    try:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(str(directory), local_files_only=True)
+        reply = "Answer: 42"
+        messages = [{"role": "user", "content": "What is 40 + 2?"}, {"role": "assistant", "content": reply}]
+        ids = list(tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True)["input_ids"])
+    except Exception:  # noqa: BLE001 (no tokenizer, no chat template: nothing to check)
+        return None
+    content = tokenizer.encode(reply, add_special_tokens=False)
+    starts = [i for i in range(len(ids) - len(content) + 1) if ids[i : i + len(content)] == content]
+    special = set(tokenizer.all_special_ids) | {
+        i for i, t in tokenizer.added_tokens_decoder.items() if getattr(t, "special", False)
+    }
+    after = [t for t in ids[starts[-1] + len(content) :] if t in special] if starts else []
+    return (tokenizer.convert_ids_to_tokens(after[0]), int(after[0])) if after else None
 
 
 def probe_data(paths: Sequence[str]) -> dict[str, dict[str, tuple[str, ...]] | str]:

@@ -321,6 +321,7 @@ class AsyncSATActor:
             routing.prepare_worker(self)
             register_engine(str(self.config.actor.strategy), engine_mixins(self.config.actor))  # type: ignore[attr-defined]
         super().init_model()  # type: ignore[misc]
+        routing.check_worker(self)
         install_sat_loss(self)
         from verl_sat.trainer.supervisor import register
 
