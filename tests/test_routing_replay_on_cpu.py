@@ -354,24 +354,29 @@ def test_a_training_pass_without_the_replay_flag_is_refused_under_r3(flag):
     assert engine.passes == [True, False]
 
 
-def test_an_r3_actor_whose_engine_does_not_replay_is_refused_after_init_model():
-    """The worker-level twin of the pass-level refusal: verl built an engine without the replay
-    mixin (register_engine did not run first), so the launch stops at init_model, naming the mode."""
-    from types import SimpleNamespace
-
-    from verl_sat import routing
+def test_an_actor_engine_without_a_needed_mixin_is_refused_after_init_model():
+    """The worker-level twin of the pass-level refusal: verl built an engine without a mixin the
+    actor's config needs (register_engine did not run first), so the launch stops at init_model,
+    naming the engine and each missing mixin; R3 alone needs the replay, SAT-GSPO's step q too."""
     from verl_sat.routing.fsdp import RoutingReplayFSDP
+    from verl_sat.trainer.engines import StepQuantileEngine, check_engine
 
-    actor = OmegaConf.create({"strategy": "fsdp2", "fsdp_config": {"router_replay": {"mode": "R3"}}})
-
-    def worker(engine, role="actor_rollout", actor_config=actor):
-        return SimpleNamespace(
-            role=role, config=SimpleNamespace(actor=actor_config), actor=SimpleNamespace(engine=engine)
+    def actor(loss_mode: str, mode: str) -> DictConfig:
+        return OmegaConf.create(
+            {
+                "strategy": "fsdp2",
+                "fsdp_config": {"router_replay": {"mode": mode}},
+                "policy_loss": {"loss_mode": loss_mode},
+            }
         )
 
-    with pytest.raises(RuntimeError, match="routing replay R3: the actor's engine _RecordingEngine does not replay"):
-        routing.check_worker(worker(_RecordingEngine()))
-    routing.check_worker(worker(type("Composed", (RoutingReplayFSDP, _RecordingEngine), {})()))
-    routing.check_worker(worker(_RecordingEngine(), role="ref"))  # a reference worker replays nothing
-    disabled = OmegaConf.create({"strategy": "fsdp2", "fsdp_config": {"router_replay": {"mode": "disabled"}}})
-    routing.check_worker(worker(_RecordingEngine(), actor_config=disabled))
+    replaying = type("Composed", (RoutingReplayFSDP, _RecordingEngine), {})()
+    with pytest.raises(RuntimeError, match=r"the actor's engine _RecordingEngine lacks RoutingReplayFSDP \("):
+        check_engine(_RecordingEngine(), actor("gspo", "R3"))
+    check_engine(replaying, actor("gspo", "R3"))
+    with pytest.raises(RuntimeError, match=r"the actor's engine Composed lacks StepQuantileEngine \("):
+        check_engine(replaying, actor("sat_gspo", "R3"))
+    with pytest.raises(RuntimeError, match="lacks StepQuantileEngine, RoutingReplayFSDP"):
+        check_engine(_RecordingEngine(), actor("sat_gspo", "R3"))
+    check_engine(type("Both", (StepQuantileEngine, RoutingReplayFSDP, _RecordingEngine), {})(), actor("sat_gspo", "R3"))
+    check_engine(_RecordingEngine(), actor("gspo", "disabled"))  # nothing to mix in

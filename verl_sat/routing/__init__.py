@@ -4,9 +4,9 @@
 - ``fsdp``: R2/R3 on verl's FSDP engine, where verl replays nothing.
 - ``megatron``: the routing metrics on verl's own Megatron replay.
 
-The trainer's worker asks this module which engine mixin the actor needs (:func:`engine_mixins`),
-lets it prepare the worker (:func:`prepare_worker`) and check the engine verl built
-(:func:`check_worker`); nothing here imports back.
+The trainer's worker asks this module which engine mixin the actor needs
+(:func:`engine_mixins`) and lets it prepare the worker (:func:`prepare_worker`); nothing here
+imports back.
 """
 
 from __future__ import annotations
@@ -42,17 +42,3 @@ def prepare_worker(worker: Any) -> str:
     if fsdp_replay_mode(worker.config.actor) != "disabled":
         worker.enable_routing_replay = True
     return replay_mode(worker.config.actor)
-
-
-def check_worker(worker: Any) -> None:
-    """After verl's ``init_model``: an FSDP actor with R2/R3 must have the replaying engine, else
-    every training pass would route on its own (a silent dbar_pi). ``RuntimeError`` naming the mode."""
-    if "actor" not in getattr(worker, "role", "actor"):
-        return
-    mode = fsdp_replay_mode(worker.config.actor)
-    engine = getattr(getattr(worker, "actor", None), "engine", None)
-    if mode != "disabled" and not isinstance(engine, RoutingReplayFSDP):
-        raise RuntimeError(
-            f"routing replay {mode}: the actor's engine {type(engine).__name__} does not replay routes "
-            "(verl_sat.trainer.engines.register_engine did not run before verl's init_model)"
-        )

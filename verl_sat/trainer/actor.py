@@ -52,7 +52,7 @@ import torch
 
 from verl_sat.trainer.accounting import SampleAccountingMixin
 from verl_sat.trainer.auto_lag import AutoLagTrainerMixin
-from verl_sat.trainer.engines import enable_step_q, engine_mixins, register_engine
+from verl_sat.trainer.engines import check_engine, enable_step_q, engine_mixins, register_engine
 from verl_sat.trainer.faults import FaultMixin, scale_lr
 from verl_sat.trainer.heldout import HeldoutTrainerMixin, score_worker_model
 from verl_sat.trainer.sentinel import SentinelTrainerMixin
@@ -317,11 +317,13 @@ class AsyncSATActor:
         """Select the actor's engine mixins, run verl's ``init_model``, then install ``sat_ppo_loss``."""
         from verl_sat import routing
 
-        if "actor" in getattr(self, "role", "actor"):
+        is_actor = "actor" in getattr(self, "role", "actor")
+        if is_actor:
             routing.prepare_worker(self)
             register_engine(str(self.config.actor.strategy), engine_mixins(self.config.actor))  # type: ignore[attr-defined]
         super().init_model()  # type: ignore[misc]
-        routing.check_worker(self)
+        if is_actor:
+            check_engine(self.actor.engine, self.config.actor)  # type: ignore[attr-defined]
         install_sat_loss(self)
         from verl_sat.trainer.supervisor import register
 

@@ -184,12 +184,21 @@ def register_engine(backend: str, mixins: tuple[type, ...]) -> str | None:
     return _COMPOSED[key]
 
 
-def enable_step_q(engine: Any, actor_config: Any) -> None:
-    """Hand the actor's config to its (composed) engine: the step's q is taken from now on."""
-    if isinstance(engine, StepQuantileEngine):
-        engine._sat_actor_config = actor_config
-    elif needs_step_q(actor_config):
+def check_engine(engine: Any, actor_config: Any) -> None:
+    """After verl's ``init_model``: the actor's engine carries every mixin :func:`engine_mixins`
+    names. Without one, the step's q, R2/R3 replay or the routing metrics would be skipped silently
+    (a training pass routing on its own gives a dbar_pi no error explains). ``RuntimeError``
+    naming the engine and what it lacks."""
+    missing = [m.__name__ for m in engine_mixins(actor_config) if not isinstance(engine, m)]
+    if missing:
         raise RuntimeError(
-            f"sat_quantile_scope=step: the actor's engine {type(engine).__name__} has no scoring pass "
+            f"the actor's engine {type(engine).__name__} lacks {', '.join(missing)} "
             "(verl_sat.trainer.engines.register_engine did not run before verl's init_model)"
         )
+
+
+def enable_step_q(engine: Any, actor_config: Any) -> None:
+    """Hand the actor's config to its (composed) engine: the step's q is taken from now on
+    (:func:`check_engine` has refused an engine without the scoring pass the config needs)."""
+    if isinstance(engine, StepQuantileEngine):
+        engine._sat_actor_config = actor_config
