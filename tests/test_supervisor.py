@@ -1,5 +1,6 @@
 """The supervisor (verl_sat.trainer.supervisor) turns a dead registered process into exit 4,
-also when the driver hears of it first, as Ray's ActorDiedError from the call in flight."""
+also when the driver hears of it first, as Ray's ActorDiedError from the call in flight. A dead
+actor is found through Ray's GCS whichever node it ran on, with and without Ray's dashboard."""
 
 from __future__ import annotations
 
@@ -8,10 +9,12 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
+from verl_sat import processes
 from verl_sat.trainer import supervisor
 from verl_sat.trainer.supervisor import EXIT_PROCESS_DIED, RUN_DIR_ENV, Supervisor
 
@@ -52,8 +55,46 @@ def test_an_error_with_every_process_alive_is_the_error_itself(tmp_path, monkeyp
     assert not (tmp_path / "run.json").exists()
 
 
+@pytest.mark.parametrize("dashboard", [False, True], ids=["no-dashboard", "dashboard"])
+def test_a_dead_actor_is_found_through_ray_whatever_node_it_ran_on(tmp_path, monkeypatch, dashboard):
+    """One ``ray.init`` (1 CPU): an actor registers itself, its entry is moved to another host
+    (where this host's pid table says nothing), and ``ray.kill`` still ends the job: the
+    supervisor asks Ray's GCS, which answers with or without the dashboard's API server."""
+    import ray
+
+    (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 3, "data": {}}) + "\n")
+    monkeypatch.setenv(RUN_DIR_ENV, str(tmp_path))  # inherited by the cluster's workers
+    ray.init(num_cpus=1, include_dashboard=dashboard, logging_level="ERROR", log_to_driver=False)
+    try:
+        watcher = Supervisor(tmp_path, total_steps=8)
+
+        @ray.remote
+        class Worker:
+            def register(self) -> int:
+                from verl_sat.processes import register
+
+                register("trainer worker", "rank1")
+                return os.getpid()
+
+        worker = Worker.remote()
+        pid = ray.get(worker.register.remote())
+        path = tmp_path / "processes" / "trainer_worker_rank1.json"
+        entry = json.loads(path.read_text())
+        assert entry["actor_id"] == worker._actor_id.hex() and entry["pid"] == pid
+        path.write_text(json.dumps({**entry, "host": "another-node"}))
+        assert watcher.check() is None
+        ray.kill(worker)
+        deadline = time.monotonic() + 60
+        while (failure := watcher.check()) is None and time.monotonic() < deadline:
+            time.sleep(0.2)
+    finally:
+        ray.shutdown()
+    assert failure is not None and (failure["kind"], failure["name"], failure["step"]) == ("trainer worker", "rank1", 4)
+    assert watcher.check() is None  # without Ray's answer, a pid on another host is not judged
+
+
 def _role_in_child(queue) -> None:
-    queue.put(supervisor.vllm_role())
+    queue.put(processes.vllm_role())
 
 
 def test_vllm_processes_are_told_apart_from_its_helpers(tmp_path, monkeypatch):
@@ -64,11 +105,11 @@ def test_vllm_processes_are_told_apart_from_its_helpers(tmp_path, monkeypatch):
 
     monkeypatch.delenv("VERL_REPLICA_RANK", raising=False)
     monkeypatch.setitem(sys.modules, "ray", types.SimpleNamespace(is_initialized=lambda: True))
-    assert supervisor.vllm_role() is None  # not in verl's vLLMHttpServer
+    assert processes.vllm_role() is None  # not in verl's vLLMHttpServer
     monkeypatch.setenv("VERL_REPLICA_RANK", "3")
-    assert supervisor.vllm_role() == "server"  # the Ray actor itself
+    assert processes.vllm_role() == "server"  # the Ray actor itself
     monkeypatch.setitem(sys.modules, "ray", types.SimpleNamespace(is_initialized=lambda: False))
-    assert supervisor.vllm_role() is None  # a plain subprocess: vLLM's inspection helper
+    assert processes.vllm_role() is None  # a plain subprocess: vLLM's inspection helper
     context = multiprocessing.get_context("fork")
     queue = context.Queue()
     for name, expected in (("EngineCore", "EngineCore"), ("SomeHelper", None)):
@@ -76,11 +117,14 @@ def test_vllm_processes_are_told_apart_from_its_helpers(tmp_path, monkeypatch):
         child.start()
         assert queue.get(timeout=30) == expected
         child.join()
-    monkeypatch.setitem(sys.modules, "ray", types.SimpleNamespace(is_initialized=lambda: True))
+    context = types.SimpleNamespace(get_actor_id=lambda: "a1")
+    ray = types.SimpleNamespace(is_initialized=lambda: True, get_runtime_context=lambda: context)
+    monkeypatch.setitem(sys.modules, "ray", ray)
     monkeypatch.setenv(RUN_DIR_ENV, str(tmp_path))
-    supervisor.register_vllm_process()
+    processes.register_vllm_process()
     (entry,) = [json.loads(p.read_text()) for p in (tmp_path / "processes").glob("*.json")]
     assert entry["name"] == "vllm3" and entry["kind"] == "rollout replica" and entry["pid"] == os.getpid()
+    assert entry["actor_id"] == "a1"  # the server actor: watched through Ray on any node
 
 
 STUCK_DRIVER = """

@@ -83,7 +83,7 @@ class HFRolloutServer:
         self._rejecting = False
         self._started = False
         self.batch_sizes: deque[int] = deque(maxlen=1024)  # sizes of recent decode batches
-        from verl_sat.trainer.supervisor import register
+        from verl_sat.processes import register
 
         register("rollout replica", str(replica_rank))  # the driver's supervisor watches this pid
 

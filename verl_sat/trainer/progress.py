@@ -14,10 +14,11 @@ Everything is read from verl's own per-step metrics (``metrics.jsonl``):
 from __future__ import annotations
 
 import math
+import sys
 import threading
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 from verl_sat.default.heldout import HELDOUT_GREEDY_KEY, HELDOUT_KEY
 from verl_sat.files import read_metrics, update_run_record
@@ -207,20 +208,20 @@ def progress_line(row: dict[str, Any]) -> str:
 class ProgressPrinter(threading.Thread):
     """Tails metrics.jsonl (written by verl's trainer in its Ray actor) and prints a line a step."""
 
-    def __init__(self, path: Path, interval: float = 1.0, eps_high: float = 0.2) -> None:
+    def __init__(self, path: Path, interval: float = 1.0, eps_high: float = 0.2, out: TextIO | None = None) -> None:
         super().__init__(daemon=True)
-        self.path, self.interval, self.printed = path, interval, 0
+        self.path, self.interval, self.printed, self.out = path, interval, 0, out
         self.eps_high, self.warned = eps_high, False
         self.stopped = threading.Event()
 
     def flush(self) -> None:
         rows = read_metrics(self.path)
         for row in rows[self.printed :]:
-            print(progress_line(row), flush=True)
+            print(progress_line(row), file=self.out or sys.stdout, flush=True)
         self.printed = len(rows)
         warning = None if self.warned else inert_warning(rows, self.eps_high)
         if warning:
-            print(warning, flush=True)
+            print(warning, file=self.out or sys.stdout, flush=True)
             self.warned = True
 
     def run(self) -> None:

@@ -3,12 +3,13 @@
 verl 0.9.1 does not notice a rollout server that dies: each request to it fails, the replay
 buffer evicts the failed group and refills it with a fresh prompt, which fails again, and the
 trainer waits for samples that never come. A trainer worker that dies mid-step surfaces as an
-exception only once verl next calls it. So every HF rollout server, every process of verl's
-vLLM server (``register_vllm_process``, a vLLM plugin), every process of verl's SGLang server
-(``register_sglang_processes``: the server actor and the scheduler and detokenizer processes it
-starts) and every verl-sat actor worker registers its process id in ``<run_dir>/processes/`` when
-it starts (``register``), and the driver
-(``verl_sat.main``) runs a ``Supervisor`` thread that checks them once a second.
+exception only once verl next calls it. So the rollout servers, their engine processes and the
+verl-sat actor workers register themselves in ``<run_dir>/processes/`` (``verl_sat.processes``),
+and the driver (``verl_sat.main``) runs a ``Supervisor`` thread that checks them once a second:
+a Ray actor through Ray's GCS (``ray._private.state.actors``: the actor table of every node; it
+needs no dashboard, unlike ``ray.util.state``, whose queries go through the dashboard's API
+server), any other process (an engine's child: SGLang's scheduler, vLLM's engine core) with
+psutil, on this node.
 
 When one is gone, the supervisor prints one error line naming the process, the global step in
 progress and what was lost, records it in ``run.json`` (``fault``), and interrupts the driver,
@@ -16,7 +17,8 @@ which shuts Ray down and exits with ``EXIT_PROCESS_DIED``; if the driver has not
 later, the process exits anyway. So the job never hangs on a dead replica and never exits 0.
 Resume with the same command: verl restarts from the newest checkpoint (docs/faults.md).
 
-Processes on another host (a multi-node cluster) are not checked; their pid means nothing here.
+An engine's child process on another host is not checked (its pid means nothing here); its
+server actor is.
 """
 
 from __future__ import annotations
@@ -30,111 +32,47 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
-RUN_DIR_ENV = "VERL_SAT_RUN_DIR"
-PROCESSES_DIR = "processes"
+import psutil
+
+from verl_sat.processes import (  # noqa: F401  (re-exported: the vLLM entry point, the plugin, the workers)
+    PROCESSES_DIR,
+    RUN_DIR_ENV,
+    register,
+    register_vllm_process,
+    watch_sglang_servers,
+)
+
 EXIT_PROCESS_DIED = 4
 GRACE_S = 20.0
 
 
-SGLANG_SERVER_MODULE = "verl.workers.rollout.sglang_rollout.async_sglang_server"
+def dead_actors() -> set[str] | None:
+    """Ids of the cluster's dead actors, on every node, from Ray's GCS; None when this process
+    is not connected to Ray (before verl's ``ray.init``, after its shutdown)."""
+    import ray
 
-
-def register(kind: str, name: str, pid: int | None = None) -> None:
-    """Record process ``pid`` (this one by default; ``kind``: "rollout replica" or "trainer
-    worker") for the supervisor."""
-    run_dir = os.environ.get(RUN_DIR_ENV)
-    if not run_dir:
-        return
-    folder = Path(run_dir) / PROCESSES_DIR
-    pid = os.getpid() if pid is None else int(pid)
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-        entry = {"kind": kind, "name": name, "pid": pid, "host": socket.gethostname(), "since": time.time()}
-        (folder / f"{kind.replace(' ', '_')}_{name}.json").write_text(json.dumps(entry))
-    except OSError:
-        return
-
-
-def vllm_role() -> str | None:
-    """Which process of verl's vLLM server this is: the server actor, its engine core, or None.
-
-    verl's ``vLLMHttpServer`` (a Ray actor) sets ``VERL_REPLICA_RANK``; vLLM starts the engine core
-    as a ``multiprocessing`` child named ``EngineCore...``. A short-lived helper that also loads
-    vLLM's plugins (its model-inspection subprocess, run with ``subprocess``) is neither, and is not
-    watched: it exits by design.
-    """
-    import multiprocessing
-
-    if os.environ.get("VERL_REPLICA_RANK") is None:
+    if not ray.is_initialized():
         return None
-    name = multiprocessing.current_process().name
-    if name.startswith("EngineCore"):
-        return name
-    ray = sys.modules.get("ray")
-    if multiprocessing.parent_process() is None and ray is not None and ray.is_initialized():
-        return "server"
-    return None
+    from ray._private import state
 
-
-def register_vllm_process() -> None:
-    """vLLM general plugin (entry point ``vllm.general_plugins``, loaded by vLLM in each of its
-    processes, on every platform): register the server actor and engine core of replica ``r`` as
-    rollout replica ``vllm<r>`` / ``vllm<r>.EngineCore``."""
-    role = vllm_role()
-    if role is None:
-        return
-    rank = os.environ["VERL_REPLICA_RANK"]
-    register("rollout replica", f"vllm{rank}" if role == "server" else f"vllm{rank}.{role}")
-
-
-def register_sglang_processes(server: Any) -> None:
-    """After verl's ``SGLangHttpServer.launch_server``: register the server actor of replica ``r``
-    (node ``k``) as rollout replica ``sglang<r>`` (``sglang<r>.node<k>``) and every process it has
-    started (SGLang 0.5.12's ``Engine._launch_subprocesses``: the scheduler(s) and the detokenizer,
-    ``multiprocessing`` children of the actor) as ``sglang<r>.<process name>``."""
-    import multiprocessing
-
-    name = f"sglang{server.replica_rank}" + (f".node{server.node_rank}" if int(server.node_rank) else "")
-    register("rollout replica", name)
-    for child in multiprocessing.active_children():
-        register("rollout replica", f"{name}.{child.name}", pid=child.pid)
-
-
-def supervise_sglang_servers(server_module: Any) -> None:
-    """Wrap ``SGLangHttpServer.launch_server`` so that each server registers its processes."""
-    from verl_sat.hooks import wrap_once
-
-    def make(original: Any) -> Any:
-        async def launch_server(self: Any, *args: Any, **kwargs: Any) -> Any:
-            result = await original(self, *args, **kwargs)
-            register_sglang_processes(self)
-            return result
-
-        return launch_server
-
-    wrap_once(server_module.SGLangHttpServer, "launch_server", "__verl_sat_supervised__", make)
-
-
-def watch_sglang_servers() -> None:
-    """Every platform (the plugin): supervise verl's SGLang servers once verl imports their module."""
-    from verl_sat.hooks import when_imported
-
-    when_imported(SGLANG_SERVER_MODULE, supervise_sglang_servers)
-
-
-def alive(pid: int) -> bool:
-    """The process exists and is not a zombie."""
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+        return set(state.actors(actor_state_name="DEAD"))
+    except Exception:  # Ray shutting down under us
+        return None
+
+
+def is_dead(entry: dict[str, Any], dead: set[str] | None) -> bool:
+    """A registered process is gone: its actor is DEAD (any node), or, without Ray's answer or
+    an actor id, its pid on this host is gone or a zombie (psutil)."""
+    if entry.get("actor_id") and dead is not None:
+        return entry["actor_id"] in dead
+    if entry.get("host") != socket.gethostname():
         return False
-    except PermissionError:
-        return True
     try:
-        return Path(f"/proc/{pid}/stat").read_text().split(") ", 1)[1][:1] != "Z"
-    except (OSError, IndexError):
+        return psutil.Process(int(entry["pid"])).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
         return True
 
 
@@ -162,12 +100,13 @@ def in_flight(run_dir: Path) -> int:
 class Supervisor(threading.Thread):
     """Checks the registered processes of the job every ``interval`` seconds (module docstring)."""
 
-    def __init__(self, run_dir: Path, total_steps: int | None = None, interval: float = 1.0) -> None:
+    def __init__(
+        self, run_dir: Path, total_steps: int | None = None, interval: float = 1.0, out: TextIO | None = None
+    ) -> None:
         super().__init__(daemon=True, name="verl-sat-supervisor")
-        self.run_dir, self.total_steps, self.interval = Path(run_dir), total_steps, interval
+        self.run_dir, self.total_steps, self.interval, self.out = Path(run_dir), total_steps, interval, out
         self.stopped = threading.Event()
         self.failure: dict[str, Any] | None = None
-        self.host = socket.gethostname()
         self.started_at = time.time()
 
     def processes(self) -> list[dict[str, Any]]:
@@ -178,7 +117,7 @@ class Supervisor(threading.Thread):
                 entry = json.loads(path.read_text())
             except (OSError, ValueError):
                 continue
-            if entry.get("host") == self.host and entry.get("since", 0) >= self.started_at - 1:
+            if entry.get("since", 0) >= self.started_at - 1:
                 entries.append(entry)
         return entries
 
@@ -195,8 +134,9 @@ class Supervisor(threading.Thread):
         """The first registered process of this job that is gone, with what was lost; else None."""
         if self.finished():
             return None
+        dead = dead_actors()
         for entry in self.processes():
-            if not alive(int(entry["pid"])):
+            if is_dead(entry, dead):
                 step = last_step(self.run_dir) + 1
                 return {**entry, "step": step, "in_flight_prompts": in_flight(self.run_dir)}
         return None
@@ -218,7 +158,7 @@ class Supervisor(threading.Thread):
         from verl_sat.files import update_run_record
 
         self.failure = failure
-        print(self.describe(failure), flush=True)
+        print(self.describe(failure), file=self.out or sys.stdout, flush=True)
         try:
             update_run_record(self.run_dir, fault=failure)
         except OSError:
