@@ -1,10 +1,11 @@
-"""Tests of verl_sat.eval: avg@k / pass@k, data loading, the HF and server sampling paths."""
+"""Tests of verl_sat.eval: avg@k / pass@k, data loading, run_eval, the server backend through ``openai``."""
 
 from __future__ import annotations
 
 import json
 import math
 import threading
+import time
 from collections.abc import Iterator, Sequence
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -12,14 +13,13 @@ from pathlib import Path
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from omegaconf import OmegaConf
 
 from verl_sat.eval import avg_at_k, pass_at_k, pass_at_k_per_problem
 from verl_sat.eval.data import Problem, is_path_like, load_problems
 from verl_sat.eval.sampling import (
     Completion,
-    HFBackend,
     Job,
-    ResumeRefused,
     SamplingConfig,
     ServerBackend,
     ServerError,
@@ -152,6 +152,9 @@ class ScriptedBackend:
     def describe(self) -> dict:
         return {"backend": "scripted"}
 
+    def identity(self) -> dict:
+        return {"backend": "scripted"}
+
 
 def test_run_eval_known_counts(tmp_path: Path) -> None:
     problems = [Problem(str(i), f"q{i}", f"{i:03d}") for i in range(4)]
@@ -179,169 +182,32 @@ def test_sampling_config_validation_and_seeds() -> None:
     with pytest.raises(ValueError, match="sampling.top_k"):
         SamplingConfig(top_k=0)
     cfg = SamplingConfig(k=3)
-    assert (cfg.temperature, cfg.top_p, cfg.top_k, cfg.max_tokens) == (1.0, 1.0, -1, 32768)
+    assert (cfg.temperature, cfg.top_p, cfg.top_k) == (1.0, 1.0, -1)
+    paper = OmegaConf.load(Path(__file__).parents[1] / "hydra_configs" / "sat_paper.yaml")
+    assert cfg.max_tokens == paper.data.max_response_length  # training's response cap
+    assert paper.data.max_prompt_length + cfg.max_tokens + 1 <= 32768  # fits Qwen3-30B-A3B-Base's context
     jobs = make_jobs([Problem("a", "q", "1"), Problem("b", "q", "2")], cfg)
     assert [j.seed for j in jobs] == [0, 1, 2, 3, 4, 5]
     assert "\\boxed{}" in jobs[0].messages[0]["content"] and "Answer:" in jobs[0].messages[0]["content"]
 
 
 # ---------------------------------------------------------------------------------------------
-# HF checkpoint path: a tiny random Qwen3 and a tokenizer built in code (nothing downloaded)
-# ---------------------------------------------------------------------------------------------
-
-CHAT_TEMPLATE = (
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
-
-
-@pytest.fixture(scope="module")
-def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    import torch
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
-
-    vocab = {ch: i for i, ch in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
-    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-    for token in specials:
-        vocab[token] = len(vocab)
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens(specials)
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>")
-    tokenizer.chat_template = CHAT_TEMPLATE
-    config = Qwen3Config(
-        vocab_size=len(vocab),
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        max_position_embeddings=2048,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-        tie_word_embeddings=True,
-    )
-    torch.manual_seed(0)
-    path = tmp_path_factory.mktemp("tiny_qwen3")
-    Qwen3ForCausalLM(config).save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return path
-
-
-def test_hf_backend_end_to_end(tiny_checkpoint: Path, tmp_path: Path) -> None:
-    """An HF checkpoint samples real AIME24 prompts into samples.jsonl and a summary, the same on a rerun."""
-    problems = load_problems(AIME24, limit=2)
-    backend = HFBackend(tiny_checkpoint, batch_size=3)
-    cfg = SamplingConfig(k=2, max_tokens=6, seed=1)
-    summary = run_eval(problems, backend, cfg, tmp_path / "a", progress=False)
-    assert summary["n_problems"] == 2 and summary["k"] == 2
-    assert 0.0 <= summary["avg@2"] <= summary["pass@2"] <= 1.0
-    assert summary["backend"]["backend"] == "hf"
-    samples = (tmp_path / "a" / "samples.jsonl").read_text().splitlines()
-    assert len(samples) == 4
-    assert {"problem_id", "sample_index", "response", "extracted_answer", "correct"} <= set(json.loads(samples[0]))
-    # Same seed, same samples (batching is deterministic on CPU).
-    run_eval(problems, backend, cfg, tmp_path / "b", progress=False)
-    assert (tmp_path / "b" / "samples.jsonl").read_text().splitlines() == samples
-
-
-def test_cli_hf(tiny_checkpoint: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    """``--hf`` with ``--data`` a JSONL path: prints avg@k and appends the step's metrics to ``--log-to``."""
-    argv = ["--hf", str(tiny_checkpoint), "--data", str(AIME24), "--limit", "1", "--k", "2"]
-    argv += ["--max-tokens", "4", "--out", str(tmp_path), "--quiet", "--log-to", str(tmp_path / "m.jsonl")]
-    summary = main([*argv, "--step", "10"])
-    assert summary["source"] == str(AIME24)
-    assert "avg@2 =" in capsys.readouterr().out
-    assert json.loads((tmp_path / "m.jsonl").read_text())["step"] == 10
-
-
-class DiesAfter:
-    """Wraps a backend: hands back ``n`` completions, then fails as a crashed process would."""
-
-    def __init__(self, backend: HFBackend, n: int) -> None:
-        self.backend, self.n = backend, n
-
-    def generate(self, jobs: Sequence[Job], cfg: SamplingConfig) -> Iterator[tuple[Job, Completion]]:
-        for count, item in enumerate(self.backend.generate(jobs, cfg)):
-            if count == self.n:
-                raise RuntimeError("killed")
-            yield item
-
-    def describe(self) -> dict:
-        return self.backend.describe()
-
-    def identity(self) -> dict:
-        return self.backend.identity()
-
-
-def test_hf_resume_equals_an_uninterrupted_run(tiny_checkpoint: Path, tmp_path: Path) -> None:
-    """Each HF sample draws from its own generator: resumed in other batches, the samples are the same."""
-    problems = load_problems(AIME24, limit=2)
-    backend = HFBackend(tiny_checkpoint, batch_size=4)
-    cfg = SamplingConfig(k=3, max_tokens=8, seed=5)
-    whole = run_eval(problems, backend, cfg, tmp_path / "whole", progress=False)
-    with pytest.raises(RuntimeError, match="killed"):
-        run_eval(problems, DiesAfter(backend, 2), cfg, tmp_path / "cut", progress=False)
-    kept = (tmp_path / "cut" / "samples.jsonl").read_text().splitlines()
-    assert len(kept) == 2 and not (tmp_path / "cut" / "summary.json").exists()
-    # the 4 missing samples are drawn in one batch of two problems (first run: batches [p0 x3, p1], [p1 x2])
-    resumed = run_eval(
-        problems, HFBackend(tiny_checkpoint, batch_size=5), cfg, tmp_path / "cut", progress=False, resume=True
-    )
-    assert resumed["resumed_from"] == 2
-    whole_lines = (tmp_path / "whole" / "samples.jsonl").read_text().splitlines()
-    assert (tmp_path / "cut" / "samples.jsonl").read_text().splitlines() == whole_lines
-    assert len({json.loads(line)["response"] for line in whole_lines}) > 1  # the samples do differ
-    assert resumed["per_problem"] == whole["per_problem"]
-    with pytest.raises(ResumeRefused, match="dtype='float32', this run has dtype='bfloat16'"):
-        run_eval(
-            problems, HFBackend(tiny_checkpoint, dtype="bfloat16"), cfg, tmp_path / "cut", progress=False, resume=True
-        )
-
-
-def test_hf_sampler_follows_top_k_and_top_p() -> None:
-    """The per-sample sampler draws only from the top-k / top-p set, and greedy at top_k = 1."""
-    import torch
-
-    from verl_sat.eval.sampling import per_sample_sampler
-
-    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]] * 64))
-    for cfg, allowed in [
-        (SamplingConfig(top_k=2), {0, 1}),
-        (SamplingConfig(top_p=0.7), {0, 1}),  # 0.5 + 0.3 >= 0.7
-        (SamplingConfig(top_p=0.5), {0}),
-        (SamplingConfig(top_k=1), {0}),
-        (SamplingConfig(), {0, 1, 2, 3}),
-    ]:
-        out = per_sample_sampler(list(range(64)), cfg)(torch.zeros(64, 1, dtype=torch.long), logits)
-        assert bool((torch.isfinite(out).sum(-1) == 1).all())  # one token per row left
-        drawn = set(out.argmax(-1).tolist())
-        assert drawn <= allowed and (len(allowed) == 1 or len(drawn) > 1), (cfg, drawn)
-    again = per_sample_sampler(list(range(64)), SamplingConfig())(torch.zeros(64, 1, dtype=torch.long), logits)
-    assert torch.equal(again.argmax(-1), out.argmax(-1))  # same seeds, same draws
-
-
-def test_hf_backend_rejects_non_checkpoint(tmp_path: Path) -> None:
-    with pytest.raises(FileNotFoundError, match="no config.json"):
-        HFBackend(tmp_path)
-
-
-# ---------------------------------------------------------------------------------------------
-# Server path: a local OpenAI-compatible stub with one transient 500
+# Server path: a local OpenAI-compatible stub that fails its first requests
 # ---------------------------------------------------------------------------------------------
 
 
 class StubState:
-    """What the stub server saw, and how it should misbehave."""
+    """What the stub server saw, and how it should misbehave: its first ``fail_first`` requests get
+    ``status`` (with ``headers``)."""
 
-    def __init__(self, problems: Sequence[Problem], fail_first: int = 1, status: int = 500) -> None:
+    def __init__(
+        self, problems: Sequence[Problem], fail_first: int = 1, status: int = 500, headers: dict | None = None
+    ) -> None:
         self.problems = problems
         self.fail_first = fail_first
         self.status = status
-        self.requests: list[dict] = []
+        self.headers = headers or {}
+        self.requests: list[dict] = []  # every POST, with its arrival time
         self.failures = 0
         self.lock = threading.Lock()
 
@@ -351,37 +217,57 @@ def make_handler(state: StubState) -> type[BaseHTTPRequestHandler]:
         def log_message(self, *args: object) -> None:  # keep pytest output clean
             pass
 
-        def _send(self, code: int, body: dict) -> None:
+        def _send(self, code: int, body: dict, headers: dict | None = None) -> None:
             data = json.dumps(body).encode()
             self.send_response(code)
             self.send_header("Content-Type", "application/json")
             self.send_header("Content-Length", str(len(data)))
+            for name, value in (headers or {}).items():
+                self.send_header(name, value)
             self.end_headers()
             self.wfile.write(data)
 
         def do_GET(self) -> None:
             if self.path == "/v1/models":
-                self._send(200, {"object": "list", "data": [{"id": "tiny-stub"}]})
+                self._send(200, {"object": "list", "data": [{"id": "tiny-stub", "object": "model"}]})
             else:
                 self._send(404, {"error": "not found"})
 
         def do_POST(self) -> None:
             body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
             with state.lock:
-                state.requests.append({"path": self.path, **body})
+                state.requests.append({"path": self.path, "at": time.monotonic(), **body})
                 if state.failures < state.fail_first:
                     state.failures += 1
-                    self._send(state.status, {"error": "transient"})
+                    self._send(state.status, {"error": {"message": "transient"}}, state.headers)
                     return
             prompt = body.get("prompt") or body["messages"][-1]["content"]
             problem = next(p for p in state.problems if p.question in prompt)
             answer = int(problem.answer) + (0 if body["seed"] % 2 == 0 else 1)  # even seeds are right
             text = f"Reasoning...\nAnswer: {answer}"
             if self.path == "/v1/completions":
-                self._send(200, {"choices": [{"text": text, "finish_reason": "stop"}]})
+                self._send(
+                    200,
+                    {
+                        "id": "c",
+                        "object": "text_completion",
+                        "created": 0,
+                        "model": body["model"],
+                        "choices": [{"index": 0, "text": text, "finish_reason": "stop"}],
+                    },
+                )
             elif self.path == "/v1/chat/completions":
                 message = {"role": "assistant", "content": text}
-                self._send(200, {"choices": [{"message": message, "finish_reason": "length"}]})
+                self._send(
+                    200,
+                    {
+                        "id": "c",
+                        "object": "chat.completion",
+                        "created": 0,
+                        "model": body["model"],
+                        "choices": [{"index": 0, "message": message, "finish_reason": "length"}],
+                    },
+                )
             else:
                 self._send(404, {"error": "not found"})
 
@@ -391,8 +277,8 @@ def make_handler(state: StubState) -> type[BaseHTTPRequestHandler]:
 @pytest.fixture
 def stub_server(request: pytest.FixtureRequest) -> Iterator[tuple[str, StubState]]:
     problems = [Problem(str(i), f"Problem number {i}: compute things.", f"{10 * i + 7:03d}") for i in range(3)]
-    fail_first, status = getattr(request, "param", (1, 500))
-    state = StubState(problems, fail_first, status)
+    fail_first, status, headers = (*getattr(request, "param", (1, 500)), None)[:3]
+    state = StubState(problems, fail_first, status, headers)
     server = ThreadingHTTPServer(("127.0.0.1", 0), make_handler(state))
     thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
     thread.start()
@@ -405,17 +291,19 @@ def stub_server(request: pytest.FixtureRequest) -> Iterator[tuple[str, StubState
 
 @pytest.mark.parametrize("api", ["completions", "chat"])
 def test_server_backend_with_transient_500(stub_server: tuple[str, StubState], api: str, tmp_path: Path) -> None:
+    """A 500 is retried by the client (the request is sent again); the run then completes."""
     url, state = stub_server
-    backend = ServerBackend(url, api=api, concurrency=4, max_retries=3, backoff_s=0.01)
+    backend = ServerBackend(url, api=api, concurrency=4, max_retries=3)
     assert backend.model == "tiny-stub"
     cfg = SamplingConfig(k=4, max_tokens=64, top_k=20)
     summary = run_eval(state.problems, backend, cfg, tmp_path, progress=False)
-    assert state.failures == 1 and backend.retries_used == 1
-    assert len(state.requests) == 3 * 4 + 1
+    assert state.failures == 1
+    assert len(state.requests) == 3 * 4 + 1  # every sample once, the failed one twice
     assert summary["avg@4"] == pytest.approx(0.5)  # samples 0 and 2 of each problem are right
     assert summary["pass@4"] == pytest.approx(1.0)
     assert summary["pass@k_curve"]["1"] == pytest.approx(0.5)
     sent = state.requests[-1]
+    assert sent["path"] == ("/v1/chat/completions" if api == "chat" else "/v1/completions")
     assert (sent["model"], sent["temperature"], sent["top_p"], sent["top_k"], sent["max_tokens"]) == (
         "tiny-stub",
         1.0,
@@ -427,24 +315,53 @@ def test_server_backend_with_transient_500(stub_server: tuple[str, StubState], a
     assert summary["truncated_frac"] == (1.0 if api == "chat" else 0.0)
 
 
+@pytest.mark.parametrize("stub_server", [(2, 429, {"Retry-After": "2"})], indirect=True)
+def test_429_is_retried_after_the_servers_retry_after(stub_server: tuple[str, StubState], tmp_path: Path) -> None:
+    """Two 429s with ``Retry-After: 2``, then 200: the request is sent three times, each retry at least
+    2 s after the one before (the client's own backoff would wait at most 0.5 s, then 1 s)."""
+    url, state = stub_server
+    backend = ServerBackend(url, model="m", concurrency=1, max_retries=2)
+    summary = run_eval(state.problems[:1], backend, SamplingConfig(k=1), tmp_path, progress=False)
+    assert summary["per_problem"][0]["n"] == 1
+    assert len(state.requests) == 3 and len({r["seed"] for r in state.requests}) == 1  # one sample, three tries
+    gaps = [b["at"] - a["at"] for a, b in zip(state.requests, state.requests[1:], strict=False)]
+    assert all(gap >= 2.0 for gap in gaps), gaps
+
+
 @pytest.mark.parametrize("stub_server", [(1, 400)], indirect=True)
 def test_server_client_error_is_not_retried(stub_server: tuple[str, StubState]) -> None:
     url, state = stub_server
-    backend = ServerBackend(url + "/v1/", model="m", max_retries=3, backoff_s=0.01)
-    job = make_jobs(state.problems[:1], SamplingConfig(k=1))[0]
-    with pytest.raises(ServerError, match="HTTP 400"):
-        backend.complete(job, SamplingConfig(k=1))
+    backend = ServerBackend(url + "/v1/", model="m", max_retries=3)
+    jobs = make_jobs(state.problems[:1], SamplingConfig(k=1))
+    with pytest.raises(ServerError, match=r"endpoint /completions, problem 0 sample 0: HTTP 400: .*transient"):
+        list(backend.generate(jobs, SamplingConfig(k=1)))
     assert len(state.requests) == 1
 
 
 @pytest.mark.parametrize("stub_server", [(10, 503)], indirect=True)
 def test_server_retries_exhausted(stub_server: tuple[str, StubState]) -> None:
     url, state = stub_server
-    backend = ServerBackend(url, model="m", max_retries=2, backoff_s=0.01)
-    job = make_jobs(state.problems[:1], SamplingConfig(k=1))[0]
-    with pytest.raises(ServerError, match="failed after 3 tries"):
-        backend.complete(job, SamplingConfig(k=1))
+    backend = ServerBackend(url, model="m", max_retries=2)
+    jobs = make_jobs(state.problems[:1], SamplingConfig(k=1))
+    with pytest.raises(ServerError, match="failed after 3 tries; last error HTTP 503"):
+        list(backend.generate(jobs, SamplingConfig(k=1)))
     assert len(state.requests) == 3
+
+
+def test_cli_against_the_stub(stub_server: tuple[str, StubState], tmp_path: Path, capsys: pytest.CaptureFixture[str]):
+    """``--server`` with ``--data`` a JSONL path: prints avg@k and appends the step's metrics to ``--log-to``."""
+    url, state = stub_server
+    data = tmp_path / "problems.jsonl"
+    data.write_text("".join(json.dumps({"question": p.question, "answer": p.answer}) + "\n" for p in state.problems))
+    argv = ["--server", url, "--data", str(data), "--k", "2", "--max-tokens", "4", "--out", str(tmp_path / "o")]
+    summary = main([*argv, "--quiet", "--log-to", str(tmp_path / "m.jsonl"), "--step", "10"])
+    assert summary["source"] == str(data) and summary["avg@2"] == pytest.approx(0.5)
+    assert "avg@2 = 50.00%" in capsys.readouterr().out
+    assert json.loads((tmp_path / "m.jsonl").read_text()) == {
+        "step": 10,
+        "eval/aime24/avg@2": 0.5,
+        "eval/aime24/pass@2": 1.0,
+    }
 
 
 def test_api_base() -> None:

@@ -28,7 +28,9 @@ class SamplingConfig:
         temperature: sampling temperature (paper: 1.0); 0 means greedy.
         top_p: nucleus mass in (0, 1] (paper: 1.0).
         top_k: top-k cut-off, -1 for none (paper: -1).
-        max_tokens: most new tokens per response (paper: 32768).
+        max_tokens: most new tokens per response: 30720, training's ``max_response_length``, so that
+            a prompt of up to 2047 tokens + the response fit Qwen3-30B-A3B-Base's 32768-token context
+            (docs/reproduce.md, "Context length"; the paper says "32k").
         seed: base seed; sample ``j`` of problem ``i`` uses ``seed + i * k + j`` (None: unseeded).
     """
 
@@ -36,7 +38,7 @@ class SamplingConfig:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1
-    max_tokens: int = 32768
+    max_tokens: int = 30720
     seed: int | None = 0
 
     def __post_init__(self) -> None:
@@ -83,14 +85,16 @@ class Completion:
 class Backend(Protocol):
     """Draws completions; yields each job with its completion, in any order.
 
-    ``describe()`` is written to ``summary.json``; ``identity()``, when a backend has it, names
-    what a resumed evaluation must share with the one it continues (the model, how prompts are
-    rendered); see ``verl_sat.eval.store``.
+    ``describe()`` is written to ``summary.json``; ``identity()`` names what a resumed evaluation
+    must share with the one it continues (the model, how prompts are rendered); see
+    ``verl_sat.eval.store``. ``ServerBackend`` is the one the command line uses; tests pass others.
     """
 
     def generate(self, jobs: Sequence[Job], cfg: SamplingConfig) -> Iterator[tuple[Job, Completion]]: ...
 
     def describe(self) -> dict[str, Any]: ...
+
+    def identity(self) -> dict[str, Any]: ...
 
 
 def build_messages(problem: Problem, instruction: str = DEFAULT_INSTRUCTION) -> tuple[dict[str, str], ...]:

@@ -1,14 +1,9 @@
 """Sample k responses per problem, verify them, and report avg@k / pass@k (docs/reproduce.md).
 
-Two backends:
-
-- ``ServerBackend`` (``verl_sat.eval.server``): an OpenAI-compatible server (vLLM, SGLang, ...)
-  by URL, ``/v1/completions`` or ``/v1/chat/completions``; one request per sample, retried with
-  backoff and jitter on connection errors, timeouts, 429 and 5xx, failing fast once a request
-  fails for good. Standard library only.
-- ``HFBackend``: a local Hugging Face checkpoint directory, ``transformers`` ``generate`` on CPU
-  (or any torch device), batched, left-padded; each sample draws from its own seeded generator,
-  so a sample does not depend on the batch it was drawn in.
+The backend is any OpenAI-compatible server (vLLM, SGLang, vLLM's CPU build for a small model;
+``verl_sat.eval.server``), by URL, ``/v1/completions`` or ``/v1/chat/completions``, through the
+``openai`` client: its timeouts, retries and backoff; the evaluation fails fast once a request
+fails for good.
 
 ``run_eval`` appends each sample to ``samples.jsonl`` as it completes (``verl_sat.eval.store``)
 and writes ``summary.json`` (avg@k, pass@k for k = 1, 2, 4, ..., the per-problem table, the
@@ -22,10 +17,12 @@ import argparse
 import json
 import sys
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
+
+from tqdm import tqdm
 
 from verl_sat.eval.data import Problem, load_problems
 from verl_sat.eval.jobs import (
@@ -39,7 +36,7 @@ from verl_sat.eval.jobs import (
     render_prompt,
 )
 from verl_sat.eval.metrics import avg_at_k, pass_at_k, pass_at_k_per_problem
-from verl_sat.eval.server import RETRYABLE_HTTP, ContextLengthError, RetryPolicy, ServerBackend, ServerError, api_base
+from verl_sat.eval.server import ContextLengthError, ServerBackend, ServerError, api_base
 from verl_sat.eval.store import SAMPLES, ResumeRefused, SampleLog, UnfinishedEvaluation, eval_settings
 from verl_sat.eval.verify import compute_score, extract_answer
 
@@ -47,15 +44,12 @@ DEFAULT_DATASET = "HuggingFaceH4/aime_2024"
 
 __all__ = [
     "DEFAULT_INSTRUCTION",
-    "RETRYABLE_HTTP",
     "Backend",
     "Completion",
     "ContextLengthError",
     "EvalIncomplete",
-    "HFBackend",
     "Job",
     "ResumeRefused",
-    "RetryPolicy",
     "SamplingConfig",
     "ServerBackend",
     "ServerError",
@@ -73,148 +67,6 @@ __all__ = [
 class EvalIncomplete(RuntimeError):
     """The backend failed for good; the samples drawn so far are kept. One line: what failed, how
     many samples were drawn, where they are, and that ``--resume`` continues."""
-
-
-# ---------------------------------------------------------------------------------------------
-# Local Hugging Face checkpoint
-# ---------------------------------------------------------------------------------------------
-
-
-class HFBackend:
-    """A local HF checkpoint directory sampled with ``transformers`` ``generate`` (batched, left-padded).
-
-    A seeded sample draws its tokens from its own ``torch.Generator`` seeded with the job's seed
-    (``per_sample_sampler``), so it is the same whichever batch it lands in: a resumed evaluation
-    equals an uninterrupted one (up to the floating-point effect of different padding on the
-    logits). Unseeded (``--seed -1``) runs sample with torch's global generator.
-
-    Args:
-        model_path: directory with the config, weights and tokenizer (nothing is downloaded).
-        batch_size: sequences per ``generate`` call.
-        device: torch device (default ``"cpu"``).
-        dtype: torch dtype name (default ``"float32"``; CPUs are slow or inexact in half precision).
-    """
-
-    def __init__(self, model_path: str | Path, batch_size: int = 8, device: str = "cpu", dtype: str = "float32"):
-        import torch
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-
-        path = Path(model_path).expanduser()
-        if not (path / "config.json").is_file():
-            raise FileNotFoundError(f"not a Hugging Face checkpoint directory (no config.json): {path}")
-        if batch_size < 1:
-            raise ValueError(f"hf.batch_size must be >= 1, got {batch_size}")
-        self.path, self.batch_size, self.device, self.dtype = path, batch_size, device, dtype
-        self.tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
-        self.tokenizer.padding_side = "left"
-        if self.tokenizer.pad_token is None:
-            self.tokenizer.pad_token = self.tokenizer.eos_token
-        self.model = AutoModelForCausalLM.from_pretrained(str(path), local_files_only=True, dtype=getattr(torch, dtype))
-        self.model.to(device).eval()
-
-    def describe(self) -> dict[str, Any]:
-        return {"backend": "hf", "model_path": str(self.path), "device": self.device, "batch_size": self.batch_size}
-
-    def identity(self) -> dict[str, Any]:
-        """What a resumed evaluation must share with this one (batch size and device may change)."""
-        return {"backend": "hf", "model": str(self.path.resolve()), "dtype": self.dtype}
-
-    def _generation_kwargs(self, cfg: SamplingConfig, seeds: Sequence[int | None]) -> dict[str, Any]:
-        kwargs: dict[str, Any] = {"max_new_tokens": cfg.max_tokens, "pad_token_id": self.tokenizer.pad_token_id}
-        if cfg.temperature == 0:
-            return {**kwargs, "do_sample": False}
-        if all(seed is not None for seed in seeds):
-            # greedy over logits that the sampler has reduced to the one token it drew per row
-            return {**kwargs, "do_sample": False, "logits_processor": [per_sample_sampler(seeds, cfg)]}
-        # HF's default top_k is 50; the paper samples the full support (top_k = -1 -> 0 here).
-        top_k = 0 if cfg.top_k == -1 else cfg.top_k
-        return {**kwargs, "do_sample": True, "temperature": cfg.temperature, "top_p": cfg.top_p, "top_k": top_k}
-
-    def generate(self, jobs: Sequence[Job], cfg: SamplingConfig) -> Iterator[tuple[Job, Completion]]:
-        import torch
-
-        has_template = bool(getattr(self.tokenizer, "chat_template", None))
-        eos_ids = {self.tokenizer.eos_token_id, self.tokenizer.pad_token_id} - {None}
-        for start in range(0, len(jobs), self.batch_size):
-            batch = list(jobs[start : start + self.batch_size])
-            prompts = [render_prompt(job.messages, self.tokenizer) for job in batch]
-            enc = self.tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=not has_template)
-            enc = {name: tensor.to(self.device) for name, tensor in enc.items()}
-            with torch.no_grad():
-                out = self.model.generate(**enc, **self._generation_kwargs(cfg, [job.seed for job in batch]))
-            new_tokens = out[:, enc["input_ids"].shape[1] :]  # (B, T_new)
-            for job, tokens in zip(batch, new_tokens, strict=True):
-                ids = tokens.tolist()
-                stopped = any(t in eos_ids for t in ids)
-                text = self.tokenizer.decode(ids, skip_special_tokens=True)
-                yield job, Completion(text, "stop" if stopped or len(ids) < cfg.max_tokens else "length")
-
-
-def per_sample_sampler(seeds: Sequence[int], cfg: SamplingConfig) -> Any:
-    """A ``transformers`` logits processor that samples row ``r`` with its own generator seeded
-    ``seeds[r]`` (temperature, then top-k, then top-p, as HF orders its warpers) and leaves only
-    the drawn token finite, so that greedy decoding emits it. Row ``r``'s t-th token uses its
-    generator's t-th draw, whatever the other rows do."""
-    import torch
-    from transformers import LogitsProcessor
-
-    class PerSampleSampler(LogitsProcessor):
-        def __init__(self) -> None:
-            self.generators = [torch.Generator().manual_seed(int(seed)) for seed in seeds]
-
-        def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
-            logits = scores.float() / cfg.temperature  # (B, V)
-            if cfg.top_k != -1 and cfg.top_k < logits.shape[-1]:
-                kth = torch.topk(logits, cfg.top_k, dim=-1).values[:, -1:]
-                logits = logits.masked_fill(logits < kth, float("-inf"))
-            if cfg.top_p < 1.0:
-                probs_sorted, order = torch.softmax(logits, dim=-1).sort(dim=-1, descending=True)
-                before = probs_sorted.cumsum(dim=-1) - probs_sorted  # mass of the tokens ranked above
-                drop_sorted = before >= cfg.top_p  # HF keeps the smallest set with mass >= top_p
-                logits = logits.masked_fill(drop_sorted.scatter(-1, order, drop_sorted), float("-inf"))
-            probs = torch.softmax(logits, dim=-1).cpu()
-            picks = torch.stack(
-                [torch.multinomial(p, 1, generator=g) for p, g in zip(probs, self.generators, strict=True)]
-            )
-            out = torch.full_like(scores, float("-inf"))
-            return out.scatter(-1, picks.to(scores.device), 0.0)
-
-    return PerSampleSampler()
-
-
-# ---------------------------------------------------------------------------------------------
-# Progress, scoring, outputs
-# ---------------------------------------------------------------------------------------------
-
-
-class Progress:
-    """tqdm when installed, else a counter printed to stderr about every 5%."""
-
-    def __init__(self, total: int, desc: str = "sampling", enabled: bool = True, initial: int = 0) -> None:
-        self.total, self.count, self.desc, self.enabled = total, initial, desc, enabled
-        self._bar = None
-        if enabled:
-            try:
-                from tqdm import tqdm
-
-                self._bar = tqdm(total=total, desc=desc, file=sys.stderr, initial=initial)
-            except ImportError:
-                self._bar = None
-        self._every = max(1, total // 20)
-
-    def update(self, correct_so_far: int) -> None:
-        self.count += 1
-        if not self.enabled:
-            return
-        if self._bar is not None:
-            self._bar.update(1)
-            self._bar.set_postfix(acc=f"{correct_so_far / self.count:.3f}", refresh=False)
-        elif self.count % self._every == 0 or self.count == self.total:
-            print(f"{self.desc}: {self.count}/{self.total} acc={correct_so_far / self.count:.3f}", file=sys.stderr)
-
-    def close(self) -> None:
-        if self._bar is not None:
-            self._bar.close()
 
 
 def pass_at_k_curve(counts: Sequence[tuple[int, int]], k: int) -> dict[str, float]:
@@ -269,12 +121,6 @@ def format_table(summary: Mapping[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def identity_of(backend: Backend) -> dict[str, Any]:
-    """``backend.identity()`` when it has one (the model a resumed evaluation must share), else its kind."""
-    identity = getattr(backend, "identity", None)
-    return dict(identity()) if callable(identity) else {"backend": backend.describe().get("backend")}
-
-
 def score_sample(problem: Problem, job: Job, completion: Completion, dataset: str) -> dict[str, Any]:
     """One ``samples.jsonl`` record, scored by ``compute_score`` (the training reward)."""
     return {
@@ -317,21 +163,23 @@ def run_eval(
         UnfinishedEvaluation: not ``resume``, and ``out_dir`` holds an unfinished evaluation.
     """
     log = SampleLog(out_dir)
-    settings = eval_settings(problems, cfg, instruction, identity_of(backend))
+    settings = eval_settings(problems, cfg, instruction, backend.identity())
     kept = log.open(settings, resume, problems, cfg)
     records = list(kept.values())
     jobs = make_jobs(problems, cfg, instruction, skip=frozenset(kept))
     total = len(problems) * cfg.k
     n_correct = sum(bool(r["correct"]) for r in records)
-    bar = Progress(total, desc=f"{dataset} k={cfg.k}", enabled=progress, initial=len(records))
+    bar = tqdm(total=total, initial=len(records), desc=f"{dataset} k={cfg.k}", file=sys.stderr, disable=not progress)
     started = time.time()
+    samples = backend.generate(jobs, cfg) if jobs else iter(())
     try:
-        for job, completion in backend.generate(jobs, cfg) if jobs else ():
+        for job, completion in samples:
             record = score_sample(problems[job.problem_index], job, completion, dataset)
             log.append(record)
             records.append(record)
             n_correct += record["correct"]
-            bar.update(n_correct)
+            bar.update(1)
+            bar.set_postfix(acc=f"{n_correct / len(records):.3f}", refresh=False)
     except ServerError as exc:
         then = (
             "--resume continues with the same --max-tokens once the server's context is longer"
@@ -341,6 +189,7 @@ def run_eval(
         drawn = f"{len(records)} of {total} samples drawn ({len(records) - len(kept)} in this run)"
         raise EvalIncomplete(f"{exc}; {drawn}, kept in {log.path}: {then}") from exc
     finally:
+        getattr(samples, "close", lambda: None)()  # a generator's requests in flight are cancelled
         bar.close()
         log.close()
     order = {p.id: i for i, p in enumerate(problems)}
@@ -378,9 +227,7 @@ def append_metrics(path: str | Path, step: int, summary: Mapping[str, Any]) -> d
 def build_parser() -> argparse.ArgumentParser:
     """The ``python -m verl_sat.eval`` argument parser."""
     p = argparse.ArgumentParser(prog="python -m verl_sat.eval", description=__doc__.split("\n\n")[0])
-    src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--server", metavar="URL", help="OpenAI-compatible server, e.g. http://127.0.0.1:8000")
-    src.add_argument("--hf", metavar="DIR", help="local Hugging Face checkpoint directory")
+    p.add_argument("--server", metavar="URL", required=True, help="OpenAI-compatible server: http://HOST:PORT")
     p.add_argument("--data", default=DEFAULT_DATASET, help="JSONL/JSON/parquet path or hub dataset id")
     p.add_argument("--split", default="train", help="hub split")
     p.add_argument("--subset", default=None, help="hub configuration name")
@@ -396,54 +243,34 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=-1, help="-1 = off")
-    p.add_argument("--max-tokens", type=int, default=32768)
+    p.add_argument(
+        "--max-tokens",
+        type=int,
+        default=SamplingConfig.max_tokens,
+        help="most new tokens per response (default: training's 30720, so prompt + response fit a 32768 context)",
+    )
     p.add_argument("--seed", type=int, default=0, help="base seed; -1 = unseeded")
     p.add_argument("--instruction", default=DEFAULT_INSTRUCTION, help="appended to each question")
-    p.add_argument("--model", default=None, help="[server] model name (default: first of /v1/models)")
-    p.add_argument("--api", choices=("completions", "chat"), default="completions", help="[server] endpoint")
-    p.add_argument("--tokenizer", default=None, help="[server] tokenizer dir for the completions chat template")
-    p.add_argument("--concurrency", type=int, default=16, help="[server] requests in flight")
+    p.add_argument("--model", default=None, help="model name (default: first of /v1/models)")
+    p.add_argument("--api", choices=("completions", "chat"), default="completions", help="endpoint")
+    p.add_argument("--tokenizer", default=None, help="tokenizer dir for the completions chat template")
+    p.add_argument("--concurrency", type=int, default=16, help="requests in flight")
     p.add_argument(
         "--max-retries",
         type=int,
         default=5,
-        help="[server] retries per request (connection errors, 408/409/425/429, 5xx)",
-    )
-    p.add_argument(
-        "--backoff",
-        type=float,
-        default=1.0,
-        help="[server] first retry delay in s, doubled each retry (<= 60 s, jittered)",
+        help="retries per request (connection errors, timeouts, 408/409/429, 5xx), by the openai client",
     )
     p.add_argument(
         "--request-timeout",
         type=float,
         default=None,
-        help="[server] seconds per request (default: 60 + max_tokens / 10, a whole generation at 10 tokens/s)",
+        help="seconds per request (default: 60 + max_tokens / 10, a whole generation at 10 tokens/s)",
     )
-    p.add_argument("--batch-size", type=int, default=8, help="[hf] sequences per generate call")
-    p.add_argument("--device", default="cpu", help="[hf] torch device")
-    p.add_argument("--dtype", default="float32", help="[hf] torch dtype")
     p.add_argument("--log-to", default=None, help="also append eval/<name>/avg@k to this metrics.jsonl")
     p.add_argument("--step", type=int, default=None, help="training step for --log-to")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     return p
-
-
-def make_backend(args: argparse.Namespace) -> Backend:
-    """The backend the command line asks for."""
-    if args.server:
-        return ServerBackend(
-            args.server,
-            model=args.model,
-            api=args.api,
-            tokenizer=args.tokenizer,
-            concurrency=args.concurrency,
-            max_retries=args.max_retries,
-            backoff_s=args.backoff,
-            timeout_s=args.request_timeout,
-        )
-    return HFBackend(args.hf, batch_size=args.batch_size, device=args.device, dtype=args.dtype)
 
 
 def kept_count(out_dir: str | Path) -> int:
@@ -471,7 +298,15 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     )
     problems = load_problems(args.data, split=args.split, subset=args.subset, limit=args.limit)
     try:
-        backend = make_backend(args)
+        backend = ServerBackend(
+            args.server,
+            model=args.model,
+            api=args.api,
+            tokenizer=args.tokenizer,
+            concurrency=args.concurrency,
+            max_retries=args.max_retries,
+            timeout_s=args.request_timeout,
+        )
         summary = run_eval(
             problems,
             backend,

@@ -20,20 +20,24 @@ Pipeline (docs/eval.md, "The verifier"):
    ``0.333 != 1/3``); else math-verify (``math_verify.parse`` + ``math_verify.verify``: LaTeX,
    intervals, sets, tuples, matrices, relations), floats compared to 12 decimals; else, when
    math-verify cannot parse a side, a restricted SymPy parser. Symbolic checks are screened for
-   huge powers and factorials and run under a timeout that works in any thread (verl scores
-   rewards in a thread pool, where math-verify's own ``signal.alarm`` timeouts fail, so they are
-   off); a timeout or a parse error counts as "not equal".
+   huge powers and factorials and run under a SIGALRM timeout in a main thread: the caller's, or,
+   for callers in other threads (verl scores rewards in a thread pool, where math-verify's own
+   ``signal.alarm`` timeouts fail, so they are off), a spawned worker process's, as verl's own
+   math-verify reward does; a timeout or a parse error counts as "not equal".
 """
 
 from __future__ import annotations
 
-import ctypes
 import functools
 import logging
+import multiprocessing
 import re
 import signal
 import threading
 from collections.abc import Callable, Sequence
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+from concurrent.futures.process import BrokenProcessPool
 from fractions import Fraction
 from typing import Any, TypeVar
 
@@ -41,6 +45,9 @@ _T = TypeVar("_T")
 
 # Seconds a symbolic equivalence check may take before it counts as "not equivalent".
 DEFAULT_TIMEOUT_S = 5.0
+# Worker processes for checks called outside the main thread, and the longest wait for one.
+POOL_WORKERS = 2
+POOL_WAIT_S = 600.0
 # Longest answer string handed to a symbolic backend (longer ones: string comparison only).
 MAX_SYMBOLIC_LEN = 200
 # Entries of each memo (normalised answers, parses, symbolic verdicts): a step's distinct answers.
@@ -190,65 +197,70 @@ class _Timeout(BaseException):
     """Raised inside a symbolic check that ran past its time limit.
 
     A ``BaseException``, so that math-verify's and SymPy's ``except Exception`` cannot swallow it
-    and carry on computing.
+    and carry on computing (nor math-verify's own ``except TimeoutException``: another class).
     """
 
 
-def _interrupt(thread: threading.Thread) -> None:
-    """Raise ``_Timeout`` inside ``thread`` at its next Python instruction (CPython's async exception)."""
-    if thread.ident is not None:
-        ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread.ident), ctypes.py_object(_Timeout))
+def _raise_timeout(signum: int, frame: Any) -> None:
+    raise _Timeout
 
 
-def call_with_timeout(fn: Callable[[], _T], seconds: float) -> _T | None:
-    """Run ``fn()``; return None if it raises or takes longer than ``seconds``.
+def call_with_alarm(fn: Callable[[], _T], seconds: float) -> _T | None:
+    """Run ``fn()`` in the main thread under a SIGALRM after ``seconds``; None if it raises or
+    runs past that (the alarm interrupts it at its next Python instruction, as math-verify's own
+    timeouts do; a single C call, e.g. a huge integer power, cannot be: ``_too_costly`` refuses those)."""
+    previous = signal.signal(signal.SIGALRM, _raise_timeout)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        try:
+            return fn()
+        finally:  # an alarm that fires here, just as fn() returns, is caught below too
+            signal.setitimer(signal.ITIMER_REAL, 0)
+    except (Exception, _Timeout):
+        return None
+    finally:
+        signal.signal(signal.SIGALRM, previous)
 
-    In the main thread (Unix) a SIGALRM interrupts the work. Elsewhere (verl's reward runs in a
-    thread pool) the work runs in a daemon thread; at the deadline the caller returns None and
-    the worker is interrupted by an asynchronous ``_Timeout``, so a runaway SymPy call stops at
-    its next Python instruction instead of burning the reward worker's CPU. (A single C call,
-    e.g. a huge integer power, cannot be interrupted; ``_too_costly`` refuses those first.)
+
+_POOL: ProcessPoolExecutor | None = None
+_POOL_LOCK = threading.Lock()
+
+
+def _pool() -> ProcessPoolExecutor:
+    """The spawned worker processes that run symbolic checks for callers outside the main thread
+    (verl's own math-verify reward, ``verl.utils.reward_score.math_verify``, does the same)."""
+    global _POOL
+    with _POOL_LOCK:
+        if _POOL is None:
+            _POOL = ProcessPoolExecutor(max_workers=POOL_WORKERS, mp_context=multiprocessing.get_context("spawn"))
+        return _POOL
+
+
+def _alarmed_check(pred: str, gt: str, seconds: float) -> bool:
+    """``_symbolic_check`` under ``call_with_alarm``, in a main thread (a pool worker's runs its tasks)."""
+    return bool(call_with_alarm(lambda: _symbolic_check(pred, gt), seconds))
+
+
+def timed_symbolic_check(pred: str, gt: str, seconds: float) -> bool:
+    """The symbolic check, stopped after ``seconds`` wherever it is called from.
+
+    In the main thread (``python -m verl_sat.eval``) SIGALRM stops it in place. Elsewhere (verl's
+    reward workers score in a thread pool, where ``signal`` refuses to install a handler) it runs
+    in the main thread of a spawned worker process, under the same alarm; the caller waits at most
+    ``POOL_WAIT_S`` (a guard for a worker stuck in C, not the timeout: a first call also waits
+    for the workers to start). A dead worker, or that guard, gives "not equal".
     """
-    if threading.current_thread() is threading.main_thread() and hasattr(signal, "setitimer"):
-
-        def _raise(signum: int, frame: Any) -> None:
-            raise _Timeout
-
-        previous = signal.signal(signal.SIGALRM, _raise)
-        signal.setitimer(signal.ITIMER_REAL, seconds)
-        try:
-            try:
-                return fn()
-            finally:  # an alarm that fires here, just as fn() returns, is caught below too
-                signal.setitimer(signal.ITIMER_REAL, 0)
-        except (Exception, _Timeout):
-            return None
-        finally:
-            signal.signal(signal.SIGALRM, previous)
-    box: list[_T] = []
-    finished = threading.Lock()  # held by whoever decides the outcome: the worker or the deadline
-    done: list[bool] = []
-
-    def _target() -> None:
-        try:
-            try:
-                box.append(fn())
-            except Exception:
-                pass
-            finally:
-                with finished:
-                    done.append(True)
-        except _Timeout:  # the deadline passed; the caller has already returned None
-            pass
-
-    worker = threading.Thread(target=_target, daemon=True, name="verl-sat-verify")
-    worker.start()
-    worker.join(seconds)
-    with finished:
-        if not done:
-            _interrupt(worker)
-            return None
-    return box[0] if box else None
+    global _POOL
+    if threading.current_thread() is threading.main_thread():
+        return _alarmed_check(pred, gt, seconds)
+    try:
+        return _pool().submit(_alarmed_check, pred, gt, seconds).result(timeout=POOL_WAIT_S)
+    except BrokenProcessPool:  # a worker died (e.g. out of memory): start afresh next time
+        with _POOL_LOCK:
+            _POOL = None
+        return False
+    except FutureTimeout:
+        return False
 
 
 def to_number(s: str) -> Fraction | None:
@@ -413,7 +425,7 @@ FLOAT_ROUNDING = 12
 
 
 class _QuietDisabledTimeout(logging.Filter):
-    """Drops math-verify's one-time warning that its timeout is off: ``call_with_timeout`` is on."""
+    """Drops math-verify's one-time warning that its timeout is off: ``call_with_alarm`` is on."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         return "Timeout is disabled" not in record.getMessage()
@@ -429,7 +441,7 @@ def _math_verify_parse(answer: str) -> tuple[Any, ...]:
 
     Only LaTeX extraction: math-verify's plain-expression extractor hands strings to SymPy's
     ``parse_expr``, which evaluates Python. ``parsing_timeout=None``: math-verify's timeout uses
-    ``signal.alarm``, which raises outside the main thread; ``call_with_timeout`` bounds it instead.
+    ``signal.alarm``, which raises outside the main thread; ``call_with_alarm`` bounds it instead.
     """
     import math_verify
 
@@ -466,7 +478,7 @@ def _symbolic_equal(pred: str, gt: str, timeout: float) -> bool:
     truth, and many share the answer); refused, failed or timed-out checks are "not equal"."""
     if _too_costly(pred) or _too_costly(gt):
         return False
-    return bool(call_with_timeout(lambda: _symbolic_check(pred, gt), timeout))
+    return timed_symbolic_check(pred, gt, timeout)
 
 
 def is_equivalent(pred: str, ground_truth: str, timeout: float = DEFAULT_TIMEOUT_S) -> bool:
