@@ -64,3 +64,39 @@ def test_sat_settings_from_plain_verl_config_and_dicts():
     assert from_dict.sat_alpha == 0.75
     with pytest.raises(ValueError, match="sat_kernel"):
         sat_settings({"sat_kernel": "box"})
+
+
+def test_the_policy_loss_defaults_node_is_the_dataclass():
+    """``sat_policy_loss_defaults`` (composed into the SAT algorithm options) is registered from the
+    dataclass, so a changed default reaches every composed config with nothing retyped."""
+    import dataclasses
+
+    from hydra.core.config_store import ConfigStore
+
+    from verl_sat.sat.config import POLICY_LOSS_DEFAULTS_NODE, SAT_FIELDS
+
+    node = ConfigStore.instance().load(f"{POLICY_LOSS_DEFAULTS_NODE}.yaml").node
+    defaults = SATPolicyLossConfig()
+    assert set(SAT_FIELDS) == {f.name for f in dataclasses.fields(SATPolicyLossConfig)} - {
+        f.name for f in dataclasses.fields(PolicyLossConfig)
+    }
+    assert OmegaConf.to_container(node) == {name: getattr(defaults, name) for name in SAT_FIELDS}
+
+
+def test_the_sat_node_is_read_in_one_pass_naming_a_bad_key_under_its_prefix():
+    from verl_sat.trainer.config_node import config_from_node
+    from verl_sat.trainer.recipe import SATRecipeConfig
+
+    node = OmegaConf.create({"lag": 8, "sentinel": {"enabled": True, "window": 30}, "heldout": {"at": [4, 2]}})
+    sat = config_from_node(SATRecipeConfig, node, "sat")
+    assert (sat.lag, sat.sentinel.enabled, sat.sentinel.window, sat.heldout.at) == (8, True, 30, [2, 4])
+    assert sat.faults == type(sat.faults)() and sat.auto_lag == type(sat.auto_lag)()  # absent: the defaults
+    for section in ("sentinel", "faults", "auto_lag", "heldout"):
+        with pytest.raises(ValueError, match=rf"unknown key\(s\) under sat\.{section}: sat\.{section}\.foo; known: "):
+            SATRecipeConfig.from_node({section: {"foo": 1}})
+        with pytest.raises(ValueError, match=rf"sat\.{section} must be a mapping of keys, got 3"):
+            SATRecipeConfig.from_node({section: 3})
+    with pytest.raises(ValueError, match=r"unknown key\(s\) under sat: sat\.bar, sat\.foo; known: "):
+        SATRecipeConfig.from_node({"foo": 1, "bar": 2})
+    with pytest.raises(ValueError, match=r"sat\.sentinel\.window must be an integer >= 2, got 'x'"):
+        SATRecipeConfig.from_node({"sentinel": {"window": "x"}})

@@ -12,12 +12,13 @@ import pytest
 
 from verl_sat.default import data as task
 from verl_sat.default.heldout import HeldoutConfig, heldout_problems, train_overlap
-from verl_sat.trainer.heldout import check_heldout, optimizer_step, overlap_warning
-from verl_sat.trainer.recipe import SATRecipeConfig
+from verl_sat.trainer.heldout import optimizer_step
+from verl_sat.trainer.launch import overlap_warning
+from verl_sat.trainer.recipe import SATRecipeConfig, check_heldout
 
 
 def test_the_loop_and_the_product_share_one_definition():
-    from verl_sat.study import loop
+    from studies.lib import loop
     from verl_sat.trainer import heldout as product
 
     assert loop.heldout_problems is heldout_problems
@@ -42,7 +43,7 @@ def test_the_config_refuses_what_it_cannot_honour_naming_the_key():
     with pytest.raises(ValueError, match=r"sat\.heldout\.at"):
         HeldoutConfig(problems=8, at=[-3])
     with pytest.raises(ValueError, match=r"unknown key\(s\) under sat\.heldout: sat\.heldout\.every"):
-        HeldoutConfig.from_node({"every": 10})
+        SATRecipeConfig.from_node({"heldout": {"every": 10}})
     with pytest.raises(ValueError, match=r"sat\.heldout\.problems > 0 needs sat\.actor=true"):
         SATRecipeConfig.from_node({"actor": False, "sentinel": {"enabled": False}, "heldout": {"problems": 8}})
     study = HeldoutConfig(problems=512, at=[240, 60, 120, 180, 60])

@@ -16,7 +16,8 @@ from verl_sat.default import assets as default_assets
 from verl_sat.default import reward
 from verl_sat.files import hydra_config_dir
 from verl_sat.paper.report import load_run
-from verl_sat.paper.table import derive_method, normalize_method
+from verl_sat.paper.table import normalize_method
+from verl_sat.trainer.recipe import derive_method, label_method
 from verl_sat.trainer import launch
 
 MODEL, TRAIN, VAL, REWARD = (
@@ -233,7 +234,7 @@ def test_an_explicit_method_wins_and_the_derived_one_is_kept(assets, tmp_path, n
 def test_sat_paper_names_its_experiment_after_the_derived_method(tmp_path):
     cfg = compose_cfg("algorithm=gspo", "stabilizer=tis_r3", "lag=n8", config_name="sat_paper")
     assert cfg.sat.method is None
-    main.label_method(cfg)
+    label_method(cfg)
     assert cfg.trainer.experiment_name == "gspo_tis_r3-lag8" and cfg.sat.run_dir == "runs/gspo_tis_r3-lag8"
 
 

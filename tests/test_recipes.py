@@ -69,12 +69,13 @@ BASE_CONTEXT = json.loads((REPO / "tests/fixtures/qwen3_30b_a3b_base/config.json
 # fixtures
 # ---------------------------------------------------------------------------------------------
 def _compose_resolved(cell: tuple[str, int]) -> dict[str, Any]:
-    return OmegaConf.to_container(recipes.compose_cell(*cell), resolve=True)
+    return OmegaConf.to_container(recipes.resolved_cell(*cell, log=lambda line: None), resolve=True)
 
 
 @pytest.fixture(scope="session")
 def cells() -> dict[tuple[str, int], dict[str, Any]]:
-    """Every (method, lag) cell, composed once and resolved (a compose takes about a second)."""
+    """Every (method, lag) cell as verl receives it (``resolved_cell``, what ``--print`` prints and the
+    launch runs: composed, then ``recipe.resolve``), once, interpolations resolved (about a second each)."""
     return {cell: _compose_resolved(cell) for cell in ALL_CELLS}
 
 
@@ -198,7 +199,7 @@ def test_cell_lag_maps_onto_v1_separate_async(cells: dict, method: str, lag: int
     cfg = cells[(method, lag)]
     trainer, v1 = cfg["trainer"], cfg["trainer"]["v1"]
     assert cfg["sat"]["lag"] == lag
-    assert trainer["use_v1"] and v1["trainer_mode"] == "separate_async"
+    assert trainer["use_v1"] and v1["trainer_mode"] == "sat_separate_async"  # separate_async, SAT's trainer
     assert v1["separate_async"]["parameter_sync_step"] == lag
     # PPOTrainerSeparateAsync: train_batch_size == parameter_sync_step * ppo_mini_batch_size
     batch = cfg["data"]["train_batch_size"]
@@ -287,7 +288,7 @@ def test_cell_names_and_run_dir(cells: dict, method: str, lag: int) -> None:
 def test_derived_method_is_the_cells(cells: dict, method: str, lag: int) -> None:
     """What the config runs, read back from verl's keys, is the Table-1 row the cell is named
     after (base: the untrained model, evaluated with GRPO's settings)."""
-    from verl_sat.paper.table import derive_method
+    from verl_sat.trainer.recipe import derive_method
 
     assert derive_method(OmegaConf.create(cells[(method, lag)])) == ("grpo" if method == "base" else method)
 
@@ -314,6 +315,21 @@ def test_cell_instantiates_verl_dataclasses(cells: dict, method: str, lag: int) 
 # ---------------------------------------------------------------------------------------------
 # the YAML itself
 # ---------------------------------------------------------------------------------------------
+def test_the_lag_is_one_key_no_yaml_repeats_what_it_derives() -> None:
+    """``sat.lag`` is the one source of verl's v1 lag keys (``recipe.apply_lag``, the test above reads
+    them off every cell): no lag option sets them, and no YAML of ours sets the v1 ones."""
+    derived = {
+        "trainer.v1.separate_async.parameter_sync_step",
+        "trainer.v1.separate_async.num_warmup_batches",
+        "trainer.v1.sampler.max_off_policy_threshold",
+    }
+    for name, data in our_yaml_files().items():
+        keys = set(leaves(data))
+        assert not keys & derived, name
+        if name.startswith("lag/"):
+            assert "data.train_batch_size" not in keys and "sat.lag" in keys, name
+
+
 def test_every_key_exists_in_verl_schema() -> None:
     megatron = reference_leaves("_generated_ppo_megatron_trainer.yaml")
     fsdp = reference_leaves("_generated_ppo_trainer.yaml")
@@ -529,14 +545,9 @@ def megatron_optimizer_config(cfg: Any) -> Any:
         return init_megatron_optim_config(optim, use_distributed_optimizer=True, bf16=True)
 
 
-def launched(container: dict[str, Any]) -> Any:
-    """A composed cell as ``verl_sat.main`` maps it before verl sees it (``apply_recipe``)."""
-    from verl_sat.main import apply_recipe
-    from verl_sat.trainer.recipe import SATRecipeConfig
-
-    cfg = OmegaConf.create(container)
-    apply_recipe(cfg, SATRecipeConfig.from_node(cfg.sat))
-    return cfg
+def launched(method: str, lag: int, *overrides: str) -> Any:
+    """A cell as ``verl_sat.main`` hands it to verl (``resolved_cell``: ``recipe.resolve``, the launch's own)."""
+    return recipes.resolved_cell(method, lag, overrides, log=lambda line: None)
 
 
 @pytest.mark.gpu_branch
@@ -544,34 +555,33 @@ def launched(container: dict[str, Any]) -> Any:
 def test_megatron_gets_the_papers_betas_in_every_cell(cells: dict, method: str, lag: int) -> None:
     """verl's own Megatron optimizer config carries Adam (0.9, 0.98) for every cell; without
     verl-sat's mapping it carries Megatron's defaults (0.9, 0.999): the bug it guards."""
-    container = cells[(method, lag)]
-    unmapped = megatron_optimizer_config(OmegaConf.create(container))
+    unmapped = megatron_optimizer_config(recipes.compose_cell(method, lag))
     assert (unmapped.adam_beta1, unmapped.adam_beta2) == (0.9, 0.999)  # verl drops optim.betas
-    config = megatron_optimizer_config(launched(container))
+    config = megatron_optimizer_config(OmegaConf.create(cells[(method, lag)]))
     assert (config.adam_beta1, config.adam_beta2) == (0.9, 0.98)
     # the rest of the override still arrives (the recipe's CPU-offloaded optimizer)
     assert config.optimizer_cpu_offload is True and config.optimizer_offload_fraction == 1.0
 
 
 @pytest.mark.gpu_branch
-def test_a_beta_passed_to_megatron_explicitly_wins(cells: dict) -> None:
-    container = copy_container(cells[("sat_gspo_r3", 8)])
-    override = container["actor_rollout_ref"]["actor"]["optim"]["override_optimizer_config"]
-    override["adam_beta2"] = 0.95
+@pytest.mark.parametrize(("method", "lag"), [("sat_gspo_r3", 8), ("gspo", 1)])
+def test_the_printed_cell_gives_megatron_the_papers_betas(capsys: pytest.CaptureFixture[str], method, lag) -> None:
+    """``grid --print`` prints the config the launch hands verl: through verl's own
+    ``init_megatron_optim_config`` it gives Adam (0.9, 0.98), not Megatron's (0.9, 0.999)."""
+    assert recipes.main(["--print", method, str(lag)]) == 0
+    config = megatron_optimizer_config(OmegaConf.create(yaml.safe_load(capsys.readouterr().out)))
+    assert (config.adam_beta1, config.adam_beta2) == (0.9, 0.98)
+
+
+@pytest.mark.gpu_branch
+def test_a_beta_passed_to_megatron_explicitly_wins() -> None:
+    override = "actor_rollout_ref.actor.optim.override_optimizer_config.adam_beta2"
     with pytest.warns(UserWarning, match=r"override_optimizer_config.adam_beta2=0.95 differs from .*optim.betas"):
-        config = megatron_optimizer_config(launched(container))
+        config = megatron_optimizer_config(launched("sat_gspo_r3", 8, f"+{override}=0.95"))
     assert (config.adam_beta1, config.adam_beta2) == (0.9, 0.95)
     # betas given on the command line (optim.betas) flow through when no explicit override is set
-    container = copy_container(cells[("gspo", 1)])
-    container["actor_rollout_ref"]["actor"]["optim"]["betas"] = [0.8, 0.9]
-    config = megatron_optimizer_config(launched(container))
+    config = megatron_optimizer_config(launched("gspo", 1, "actor_rollout_ref.actor.optim.betas=[0.8,0.9]"))
     assert (config.adam_beta1, config.adam_beta2) == (0.8, 0.9)
-
-
-def copy_container(container: dict[str, Any]) -> dict[str, Any]:
-    import copy
-
-    return copy.deepcopy(container)
 
 
 @pytest.mark.gpu_branch

@@ -5,8 +5,7 @@
   :func:`write_jsonl`, :func:`append_jsonl`;
 - ``metrics.jsonl``, verl's file logger (one ``{"step", "data"}`` line per step):
   :func:`read_metrics`, rows flattened to ``{"step", **data}``;
-- ``run.json``, the run record: :func:`read_run_record`, :func:`update_run_record`;
-- a ``sat.*`` node of the Hydra config, read into its dataclass's fields: :func:`known_keys`.
+- ``run.json``, the run record: :func:`read_run_record`, :func:`update_run_record`.
 
 Checkpoints are verl's own layout and are read by ``verl_sat.trainer.faults``.
 """
@@ -142,15 +141,3 @@ def update_run_record(run_dir: Path, **sections: Any) -> None:
     tmp = path.with_name(RUN_RECORD + ".tmp")
     tmp.write_text(json.dumps(record, indent=1))
     os.replace(tmp, path)
-
-
-def known_keys(values: dict[str, Any], cls: type, prefix: str) -> dict[str, Any]:
-    """``values`` (a ``sat.*`` node as a dict) if every key is a field of the dataclass ``cls``;
-    otherwise a ValueError naming each unknown key under ``prefix`` and the known ones."""
-    known = set(getattr(cls, "__dataclass_fields__", {}))
-    unknown = sorted(set(values) - known)
-    if unknown:
-        raise ValueError(
-            f"unknown key(s) under {prefix}: {', '.join(prefix + '.' + k for k in unknown)}; known: {sorted(known)}"
-        )
-    return values

@@ -6,10 +6,10 @@ works, e.g. ``verl-sat sat.lag=8`` or ``actor_rollout_ref.actor.policy_loss.loss
 ``--config-name sat_paper`` selects the paper's GPU experiment (docs/reproduce.md).
 
 Like verl-recipe's ``main_dapo``, it reuses verl's ``run_ppo`` and adds only what comes before
-and around it: :func:`prepare` validates the ``sat:`` node, fills what the user left unset from
-the embedded default (``verl_sat.default.assets``), maps ``sat.*`` onto verl's keys
-(``verl_sat.trainer.recipe``), checks every path and makes the run directory
-(``verl_sat.trainer.launch``); :func:`run` then runs verl's v1 trainer under the supervisor
+and around it: :func:`prepare` validates the ``sat:`` node and maps ``sat.*`` onto verl's keys
+(``verl_sat.trainer.recipe.resolve``), then fills what the user left unset from the embedded default,
+checks every path and makes the run directory (``verl_sat.trainer.launch.prepare_run``); :func:`run`
+then runs verl's v1 trainer under the supervisor
 (``verl_sat.trainer.supervisor``), with a line a step and a closing summary
 (``verl_sat.trainer.progress``) on a console that Ray's and the workers' output does not drown
 (``verl_sat.trainer.console``).
@@ -22,25 +22,14 @@ from pathlib import Path
 from typing import Any
 
 import hydra
-from omegaconf import DictConfig, OmegaConf, open_dict
+from omegaconf import DictConfig, OmegaConf
 
-from verl_sat.cluster.paths import prepare_cluster
-from verl_sat.default.assets import ensure_default_assets, is_unset
 from verl_sat.files import METRICS_FILE, hydra_config_dir, read_metrics
-from verl_sat.paper.table import derive_method
+from verl_sat.preflight.cluster import prepare_cluster
 from verl_sat.trainer import auto_lag, launch, progress
 from verl_sat.trainer.console import CONSOLE_LOG, quiet_console, quiet_sources
 from verl_sat.trainer.faults import finish_run
-from verl_sat.trainer.heldout import check_heldout, overlap_warning
-from verl_sat.trainer.recipe import (
-    SATRecipeConfig,
-    apply_actor,
-    apply_lag,
-    apply_megatron_betas,
-    apply_routing_replay,
-    apply_strategy,
-    gate_starvation_warning,
-)
+from verl_sat.trainer.recipe import SATRecipeConfig, resolve
 from verl_sat.trainer.supervisor import Supervisor
 
 
@@ -48,59 +37,13 @@ def say(line: str) -> None:
     print(line, flush=True)
 
 
-def label_method(cfg: DictConfig) -> str:
-    """The method the config runs (``derive_method``); fills ``sat.method`` when left null.
-
-    Runs before anything resolves ``sat.method`` (``sat_paper.yaml`` names the experiment and
-    run directory after it). Returns the derived label, also when an explicit one wins.
-    """
-    derived = derive_method(cfg)
-    if is_unset(cfg, "sat.method"):
-        with open_dict(cfg):
-            OmegaConf.update(cfg, "sat.method", derived, merge=False)
-    return derived
-
-
-def apply_recipe(cfg: DictConfig, sat: SATRecipeConfig) -> None:
-    """``sat.strategy``, ``sat.lag``, ``sat.actor`` and ``sat.routing_replay`` onto verl's keys."""
-    dropped = apply_strategy(cfg, sat.strategy)
-    if sat.strategy != "fsdp":
-        fsdp_only = sorted({".".join(k.split(".")[1:3]) for k in dropped})
-        say(
-            f"[verl-sat] sat.strategy={sat.strategy}: actor and reference on verl's {sat.strategy} engine"
-            + (f" (dropped, FSDP-only: {', '.join(fsdp_only)})" if dropped else "")
-        )
-    apply_megatron_betas(cfg)  # verl's Megatron engine ignores optim.betas (verl_sat.trainer.recipe)
-    apply_lag(cfg, sat.lag)
-    apply_actor(cfg, sat.actor)
-    apply_routing_replay(cfg, sat.routing_replay)
-    steps_per_global = 1 if sat.lag == auto_lag.AUTO else int(sat.lag)
-    total = cfg.trainer.get("total_training_steps")
-    check_heldout(sat.heldout, steps_per_global, total, sat.strategy, str(cfg.trainer.get("device", "cuda")))
-    warning = gate_starvation_warning(cfg)
-    if warning:
-        say(f"[verl-sat] warning: {warning}")
-
-
 def prepare(cfg: DictConfig) -> tuple[SATRecipeConfig, Path]:
-    """Validate ``sat:``, fill what the user left unset, map lag/actor onto verl keys, make the run
-    directory and write its ``run.json``; every path is checked here, before Ray starts."""
-    derived = label_method(cfg)
-    sat = SATRecipeConfig.from_node(cfg.get("sat"))
-    filled = ensure_default_assets(cfg, sat.assets_dir) if sat.default_assets else {}
-    if filled:
-        say(f"[verl-sat] embedded default fills what was left unset: {', '.join(filled)}")
-    launch.check_paths(cfg)
-    warning = overlap_warning(sat.heldout, cfg.data.get("train_files"))
-    if warning:
-        say(f"[verl-sat] warning: {warning}")
-    apply_recipe(cfg, sat)
-    launch.set_platform_env(cfg)
-    run_dir = launch.make_run_dir(cfg, sat)
-    launch.pass_env_to_ray(cfg)
-    prepare_cluster(cfg, run_dir, log=say)  # a cluster started beforehand: every path checked on every node
-    launch.write_run_record(run_dir, cfg, sat, derived, filled)
-    return sat, run_dir
+    """Make the config verl receives (``recipe.resolve``: the ``sat:`` node validated, ``sat.*`` on verl's
+    keys), then fill what the user left unset, check every path (on every node of a cluster started
+    beforehand), make the run directory and write its ``run.json`` (``launch.prepare_run``); all before
+    the job's Ray starts."""
+    sat, derived = resolve(cfg, log=say)
+    return sat, launch.prepare_run(cfg, sat, derived, log=say, check_nodes=prepare_cluster)
 
 
 def run(cfg: DictConfig) -> list[dict[str, Any]]:

@@ -2,8 +2,9 @@
 
 The tiny Qwen3-MoE, its tokenizer and the arithmetic task's parquet splits are built by
 ``verl_sat.default.warmup`` (~2-3 min) into ``~/.cache/verl-sat/tiny_moe_v5`` (or
-``sat.assets_dir``) the first time a job needs them. Four keys are filled from them, and only
-when left null: a value the user passed (command line, their own config, a recipe) always wins.
+``sat.assets_dir``) the first time a job needs them. Four keys are filled from them
+(:func:`default_values`), and only when left null, by ``verl_sat.trainer.launch.fill_defaults``: a
+value the user passed (command line, their own config, a recipe) always wins.
 """
 
 from __future__ import annotations
@@ -13,8 +14,6 @@ import os
 import shutil
 from pathlib import Path
 
-from omegaconf import DictConfig, OmegaConf, open_dict
-
 MODEL_PATH_KEY = "actor_rollout_ref.model.path"
 TRAIN_FILES_KEY = "data.train_files"
 VAL_FILES_KEY = "data.val_files"
@@ -23,11 +22,6 @@ REWARD_NAME_KEY = "reward.custom_reward_function.name"
 LEGACY_REWARD_PATH_KEY = "custom_reward_function.path"  # verl's old top-level node, migrated by verl
 REWARD_FUNCTION = "compute_score"
 CACHE_NAME = "tiny_moe_v5"  # bump when the warm-up changes what it builds
-
-
-def is_unset(cfg: DictConfig, key: str) -> bool:
-    """The user left ``key`` unset: null, ``???`` or absent (our default configs leave these null)."""
-    return OmegaConf.select(cfg, key, default=None) is None
 
 
 def default_assets_dir() -> Path:
@@ -77,43 +71,3 @@ def default_values(assets: Path) -> dict[str, str]:
         VAL_FILES_KEY: str(assets / "data" / "val.parquet"),
         REWARD_PATH_KEY: reward.__file__,
     }
-
-
-def keys_to_fill(cfg: DictConfig) -> list[str]:
-    """The embedded default's keys the user left unset (the reward also counts as set through
-    verl's legacy top-level ``custom_reward_function.path``)."""
-    keys = [k for k in (MODEL_PATH_KEY, TRAIN_FILES_KEY, VAL_FILES_KEY) if is_unset(cfg, k)]
-    if is_unset(cfg, REWARD_PATH_KEY) and is_unset(cfg, LEGACY_REWARD_PATH_KEY):
-        keys.append(REWARD_PATH_KEY)
-    return keys
-
-
-def ensure_default_assets(cfg: DictConfig, assets_dir: str | None = None) -> dict[str, str]:
-    """Fill each key of the embedded default that the user left unset; returns ``{key: value}`` filled.
-
-    A value the user passed is kept, whatever it is; our default configs leave the four keys null
-    so that "null" is what "unset" means. The tiny model and data are built (once) only when the
-    model or a data split is to be filled. The reward's function name defaults to
-    ``compute_score``; a name the user set must exist in the embedded reward module.
-    """
-    from verl_sat.default import reward
-
-    fill = keys_to_fill(cfg)
-    assets = Path(assets_dir) if assets_dir else default_assets_dir()
-    if any(k != REWARD_PATH_KEY for k in fill) and not assets_complete(assets):
-        build_assets_once(assets)
-    values = default_values(assets)
-    filled = {key: values[key] for key in fill}
-    if REWARD_PATH_KEY in fill:
-        name = OmegaConf.select(cfg, REWARD_NAME_KEY, default=None)
-        if name is None:
-            filled[REWARD_NAME_KEY] = REWARD_FUNCTION
-        elif not callable(getattr(reward, str(name), None)):
-            raise ValueError(
-                f"{REWARD_NAME_KEY}={name!r} is not a function of the embedded reward {reward.__file__} "
-                f"(it has {REWARD_FUNCTION!r}); set {REWARD_PATH_KEY}= to your own reward file or drop the name"
-            )
-    with open_dict(cfg):
-        for key, value in filled.items():
-            OmegaConf.update(cfg, key, value, merge=False)
-    return filled

@@ -8,19 +8,22 @@
 pi_theta is the *trainer's* policy: its current weights, no rollout mismatch (no logit or router
 bias, no noise, no routing replay). R is the default task's rule reward. The same problems and
 the same random numbers at every step and in every run, so two runs differ only by their weights.
-``verl_sat.study.loop`` calls :func:`heldout_accuracy` on its policy; the product calls it on the
-actor worker's model (``sat.heldout``, ``verl_sat.trainer.heldout``).
+The study loop (``studies/lib/loop.py``) calls :func:`heldout_accuracy` on its policy; the product
+calls it on the actor worker's model (``sat.heldout``, ``verl_sat.trainer.heldout``). The problems
+are the task's (:func:`verl_sat.default.data.heldout_problems`, which the parquet writer excludes).
 """
 
 from __future__ import annotations
 
-import random
 from dataclasses import dataclass, field
 from typing import Any
 
+from verl_sat.default import data as task
+from verl_sat.default.data import heldout_problems  # noqa: F401  (sat.heldout's problems: one definition)
+
 HELDOUT_KEY = "eval/heldout_acc"
 HELDOUT_GREEDY_KEY = "eval/heldout_greedy_acc"
-DEFAULT_SEED = 20261201
+DEFAULT_SEED = task.HELDOUT_SEED
 
 
 @dataclass
@@ -57,32 +60,9 @@ class HeldoutConfig:
     def enabled(self) -> bool:
         return self.problems > 0
 
-    @classmethod
-    def from_node(cls, node: Any) -> HeldoutConfig:
-        """Build from ``sat.heldout`` (a mapping or None); an unknown key is an error naming it."""
-        from verl_sat.files import known_keys
-
-        values = known_keys(dict(node) if node is not None else {}, cls, "sat.heldout")
-        if "at" in values and values["at"] is not None:
-            values["at"] = list(values["at"])
-        return cls(**values)
-
     def due(self, step: int, last: int) -> bool:
         """Whether the held-out accuracy is taken after optimizer step ``step`` of ``last``."""
         return self.enabled and (step in self.at or step == last)
-
-
-def heldout_problems(n: int, seed: int = DEFAULT_SEED) -> list[Any]:
-    """``n`` distinct sums from a seeded generator: the fixed held-out set (never trained on)."""
-    from verl_sat.default import data as task
-
-    rng, seen, out = random.Random(seed), set(), []
-    while len(out) < n:
-        problem = task.sample_problem(rng)
-        if (problem.a, problem.b) not in seen:
-            seen.add((problem.a, problem.b))
-            out.append(problem)
-    return out
 
 
 def heldout_accuracy(
@@ -110,13 +90,12 @@ def _score(
 ) -> float:
     """mean R over ``samples`` responses per problem at ``temperature`` (0: greedy)."""
     from verl_sat.default.reward import compute_score
-    from verl_sat.default.warmup import prompt_ids
     from verl_sat.rollout.engine import GenerationRequest
     from verl_sat.rollout.sampling import SamplingParams
 
     params = SamplingParams(temperature=temperature, top_k=-1, top_p=1.0)
     repeated = [p for p in problems for _ in range(samples)]
-    requests = [GenerationRequest(prompt_ids(tokenizer, p), params, max_response_length) for p in repeated]
+    requests = [GenerationRequest(task.prompt_ids(tokenizer, p), params, max_response_length) for p in repeated]
     results = engine.generate_batch(requests)
     texts = tokenizer.batch_decode([r.token_ids for r in results], skip_special_tokens=True)
     return sum(compute_score(None, t, p.answer) for t, p in zip(texts, repeated, strict=True)) / len(repeated)

@@ -7,7 +7,9 @@ A *cell* is one row of Table 1 (a method) at one lag. It is the main config
 
 plus the run's name and directory (``sat.method``, ``sat.run_dir``). ``recipes/sat_paper/run.sh``
 launches a cell with the overrides printed by ``--overrides``; ``--print`` is a dry run that prints
-the resolved config of any cell::
+the config verl receives for any cell (:func:`resolved_cell`: composed, then changed by
+``verl_sat.trainer.recipe.resolve``, the function the launch runs; the run directory's own keys are
+set when the run starts)::
 
     python -m verl_sat.paper.grid --list
     python -m verl_sat.paper.grid --print sat_gspo_r3 8 [hydra overrides...]
@@ -22,7 +24,7 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from omegaconf import DictConfig, OmegaConf
@@ -152,6 +154,19 @@ def compose_cell(method: str, lag: int, overrides: Sequence[str] = ()) -> DictCo
         return compose(config_name=CONFIG_NAME, overrides=cell_args)
 
 
+def resolved_cell(
+    method: str, lag: int, overrides: Sequence[str] = (), log: Callable[[str], None] = print
+) -> DictConfig:
+    """One cell as verl receives it: :func:`compose_cell`, then every change ``verl_sat.main.prepare``
+    makes to it before the run directory (``verl_sat.trainer.recipe.resolve``: the lag's v1 keys,
+    Adam's betas for Megatron, the SAT trainer mode...). ``log`` gets verl-sat's lines."""
+    from verl_sat.trainer.recipe import resolve
+
+    cfg = compose_cell(method, lag, overrides)
+    resolve(cfg, log=log)
+    return cfg
+
+
 def format_grid(cells: Sequence[Cell]) -> str:
     """One line per run: method, lag, run name, algorithm and stabilizer options."""
     lines = []
@@ -170,7 +185,7 @@ def _parser() -> argparse.ArgumentParser:
     mode.add_argument(
         "--list", action="store_true", help="list every run of the grid: method lag name algorithm stabilizer"
     )
-    mode.add_argument("--print", action="store_true", help="print the resolved config of METHOD LAG (a dry run)")
+    mode.add_argument("--print", action="store_true", help="print the config verl receives for METHOD LAG (a dry run)")
     mode.add_argument("--overrides", action="store_true", help="print the Hydra overrides of METHOD LAG, one a line")
     parser.add_argument("method", nargs="?", help=f"one of: {', '.join(METHODS)}")
     parser.add_argument("lag", nargs="?", type=int, help=f"one of: {', '.join(map(str, LAGS))}")
@@ -195,7 +210,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.overrides:
         print("\n".join(cell_overrides(args.method, args.lag, run_dir=args.run_dir)))
         return 0
-    cfg = compose_cell(args.method, args.lag, overrides=args.hydra_overrides)
+    cfg = resolved_cell(args.method, args.lag, args.hydra_overrides, log=lambda line: print(line, file=sys.stderr))
     print(OmegaConf.to_yaml(cfg, resolve=True))
     return 0
 

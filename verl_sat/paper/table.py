@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from typing import Any
 
 LAGS = (1, 8)
 
@@ -93,67 +92,3 @@ def paper_row(method: str) -> PaperRow | None:
     """The paper's row for a method name (any spelling ``normalize_method`` accepts), or None."""
     return PAPER_TABLE1.get(normalize_method(method))
 
-
-# verl's loss_mode -> the paper's objective (SAT losses with sat_enabled=false are their base loss).
-_OBJECTIVES = {"vanilla": "grpo", "gspo": "gspo", "sat": "grpo", "sat_gspo": "gspo"}
-_SAT_LOSSES = ("sat", "sat_gspo")
-
-
-def _select(cfg: Any, key: str, default: Any = None) -> Any:
-    from omegaconf import OmegaConf
-
-    value = OmegaConf.select(cfg, key, default=default)
-    return default if value is None else value
-
-
-def rollout_correction_label(correction: Any) -> str | None:
-    """The stabilizer verl's ``algorithm.rollout_correction`` applies, or None.
-
-    verl's v1 trainer applies IS weights and rejection sampling only in decoupled mode
-    (``bypass_mode=false``). Token-level IS with one threshold is the paper's TIS; sequence-level
-    IS is ``seq_tis``, a ``"lower_upper"`` threshold is IcePop; rejection sampling adds ``rs``.
-    """
-    if not correction or correction.get("bypass_mode", False):
-        return None
-    parts = []
-    level = correction.get("rollout_is")
-    if level is not None:
-        threshold = correction.get("rollout_is_threshold")
-        if isinstance(threshold, str) and "_" in threshold:
-            parts.append("icepop" if level == "token" else f"{level}_icepop")
-        else:
-            parts.append("tis" if level == "token" else "seq_tis")
-    if correction.get("rollout_rs") is not None:
-        parts.append("rs")
-    return "_".join(parts) or None
-
-
-def routing_replay_mode(cfg: Any) -> str:
-    """``sat.routing_replay``, else the actor engine's own ``router_replay.mode`` (docs/routing_replay.md)."""
-    mode = str(_select(cfg, "sat.routing_replay", "disabled"))
-    if mode != "disabled":
-        return mode
-    strategy = str(_select(cfg, "actor_rollout_ref.actor.strategy", ""))
-    node = {"megatron": "megatron", "veomni": "veomni"}.get(strategy, "fsdp_config")
-    return str(_select(cfg, f"actor_rollout_ref.actor.{node}.router_replay.mode", "disabled"))
-
-
-def derive_method(cfg: Any) -> str:
-    """The method a composed config runs, named as Table 1 names it: ``sat_gspo_r3``, ``grpo_tis``.
-
-    From ``actor_rollout_ref.actor.policy_loss.loss_mode`` and ``sat_enabled`` (the objective),
-    ``algorithm.rollout_correction`` (TIS, :func:`rollout_correction_label`) and the routing
-    replay mode (``r2`` / ``r3``, :func:`routing_replay_mode`). ``dppo_*`` losses are ``dppo``;
-    any other verl loss keeps its loss_mode. ``normalize_method`` leaves the result unchanged.
-    """
-    loss_mode = str(_select(cfg, "actor_rollout_ref.actor.policy_loss.loss_mode", "vanilla"))
-    sat_on = loss_mode in _SAT_LOSSES and bool(_select(cfg, "actor_rollout_ref.actor.policy_loss.sat_enabled", True))
-    objective = "dppo" if loss_mode.startswith("dppo") else _OBJECTIVES.get(loss_mode, loss_mode)
-    parts = (["sat"] if sat_on else []) + [objective]
-    correction = rollout_correction_label(_select(cfg, "algorithm.rollout_correction"))
-    if correction:
-        parts.append(correction)
-    routing = routing_replay_mode(cfg)
-    if routing != "disabled":
-        parts.append(routing.lower())
-    return "_".join(parts)

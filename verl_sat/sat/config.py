@@ -7,11 +7,13 @@ Select it from Hydra with::
     actor_rollout_ref.actor.policy_loss._target_=verl_sat.SATPolicyLossConfig
     actor_rollout_ref.actor.policy_loss.loss_mode=sat_gspo
 
-(our ``hydra_configs`` declare the ``sat_*`` keys, so no ``+`` is needed there).
+(our ``hydra_configs`` declare the ``sat_*`` keys, so no ``+`` is needed there: the ConfigStore node
+``sat_policy_loss_defaults``, registered from this dataclass's own defaults on import).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from verl.workers.config.actor import PolicyLossConfig
@@ -109,15 +111,23 @@ class SATPolicyLossConfig(PolicyLossConfig):
             )
 
 
-SAT_FIELDS = (
-    "sat_enabled",
-    "sat_alpha",
-    "sat_kernel",
-    "sat_kernel_exponent",
-    "sat_score_against",
-    "sat_quantile_scope",
-    "sat_step_score",
-)
+# The SAT rule's keys of the policy-loss node: the fields SATPolicyLossConfig adds to verl's.
+SAT_FIELDS = tuple(f.name for f in dataclasses.fields(SATPolicyLossConfig) if f.name.startswith("sat_"))
+# The ConfigStore name of their defaults, listed in ``algorithm/sat_grpo.yaml`` and ``algorithm/sat_gspo.yaml``
+# (``- /sat_policy_loss_defaults@actor_rollout_ref.actor.policy_loss``).
+POLICY_LOSS_DEFAULTS_NODE = "sat_policy_loss_defaults"
+
+
+def register_policy_loss_defaults() -> None:
+    """The ``sat_*`` fields' defaults as the ConfigStore node ``sat_policy_loss_defaults``, so that the
+    YAML repeats none of them and an override needs no ``+`` (verl builds the dataclass from ``_target_``).
+
+    Called when this module is imported (``import verl_sat`` does), before anything composes.
+    """
+    from hydra.core.config_store import ConfigStore
+
+    defaults = {f.name: f.default for f in dataclasses.fields(SATPolicyLossConfig) if f.name in SAT_FIELDS}
+    ConfigStore.instance().store(name=POLICY_LOSS_DEFAULTS_NODE, node=defaults)
 
 
 def sat_settings(policy_loss: object) -> SATPolicyLossConfig:
@@ -133,3 +143,6 @@ def sat_settings(policy_loss: object) -> SATPolicyLossConfig:
     getter = policy_loss.get if hasattr(policy_loss, "get") else lambda k, d=None: getattr(policy_loss, k, d)
     found = {name: getter(name, None) for name in SAT_FIELDS}
     return SATPolicyLossConfig(**{name: value for name, value in found.items() if value is not None})
+
+
+register_policy_loss_defaults()

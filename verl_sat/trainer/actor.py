@@ -363,13 +363,12 @@ def sat_worker_class(remote_cls: Any, actor_class: type[AsyncSATActor] = AsyncSA
 
 def actor_class_of(path: str | None) -> type[AsyncSATActor]:
     """The class ``sat.actor_class`` names (a dotted path): AsyncSATActor or a subclass of it."""
-    import importlib
+    from verl.utils.import_utils import load_class_from_fqn
 
     if not path:
         return AsyncSATActor
-    module, _, name = path.rpartition(".")
     try:
-        cls = getattr(importlib.import_module(module), name)
+        cls = load_class_from_fqn(path, "sat.actor_class")
     except (ImportError, AttributeError, ValueError) as error:
         raise ValueError(f"sat.actor_class={path!r} cannot be imported: {error}") from error
     if not (isinstance(cls, type) and issubclass(cls, AsyncSATActor)):

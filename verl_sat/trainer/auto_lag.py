@@ -82,9 +82,9 @@ class AutoLagConfig:
     @classmethod
     def from_node(cls, node: Any) -> AutoLagConfig:
         """Build from ``sat.auto_lag`` (a mapping or None); an unknown key is an error naming it."""
-        from verl_sat.files import known_keys
+        from verl_sat.trainer.config_node import config_from_node
 
-        return cls(**known_keys(dict(node) if node is not None else {}, cls, "sat.auto_lag"))
+        return config_from_node(cls, node, "sat.auto_lag")
 
     @property
     def key(self) -> str:

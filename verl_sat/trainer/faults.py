@@ -1,21 +1,21 @@
 """Faults: injected on purpose (``sat.faults``), and guarded against (docs/faults.md).
 
-Knobs (``sat.faults.*``, all off by default), each for a test of what survives what:
+The knob (``sat.faults.*``, off by default), to watch the sentinel's rollback:
 
 - ``lr_spike_steps`` / ``lr_spike_factor``: the actor's learning rate is multiplied by the factor
   for every optimizer step of those global steps (a transient divergence *in training*, which a
   rollback to a checkpoint saved before it undoes). The rollout-side, persistent fault is
-  ``actor_rollout_ref.rollout.engine_kwargs.hf.fault_step`` (``verl_sat.rollout``).
-- ``checkpoint_enospc_step``: the checkpoint of that global step fails with ``ENOSPC`` after the
-  actor's weights are written and before verl's dataloader state (a disk that fills mid-save).
+  ``actor_rollout_ref.rollout.engine_kwargs.hf.fault_step`` (``verl_sat.rollout``). A disk that
+  fills mid-save is injected by the tests, through ``sat.actor_class`` (``tests/disk_full.py``).
 
 Guards:
 
 - ``latest_checkpoint``: the step verl resumes from is the one ``latest_checkpointed_iteration.txt``
   names, and verl writes that file last in ``_save_checkpoint`` (actor, critic, ``data.pt``,
-  TransferQueue, then the tracker), so a save killed midway leaves the previous checkpoint the
-  latest. A tracker that is empty or torn (a kill while verl rewrites it) or names an incomplete
-  directory is repaired to the newest complete checkpoint before Ray starts, with a line.
+  TransferQueue, then the tracker; its name from verl's ``get_checkpoint_tracker_filename``), so a
+  save killed midway leaves the previous checkpoint the latest. A tracker that is empty or torn (a
+  kill while verl rewrites it) or names an incomplete directory is repaired to the newest complete
+  checkpoint before Ray starts, with a line.
 - ``check_writable``: the run directory and the checkpoint directory are created and probed
   before Ray starts; an error names the key and the path.
 - ``FaultMixin._save_checkpoint``: an ``OSError`` while saving is re-raised with a line naming
@@ -28,7 +28,6 @@ Guards:
 
 from __future__ import annotations
 
-import errno
 import json
 import os
 import re
@@ -39,7 +38,7 @@ from typing import Any
 
 from verl_sat.files import update_run_record
 
-TRACKER = "latest_checkpointed_iteration.txt"
+TRACKER = "latest_checkpointed_iteration.txt"  # verl's get_checkpoint_tracker_filename (read_tracker)
 _STEP_DIR = re.compile(r"^global_step_(\d+)$")
 # verl's PPOTrainer._save_checkpoint: tq.save_checkpoint(global_step_k/transfer_queue); TransferQueue
 # writes <name>.tmp and moves a previous <name> aside to <name>.old while it saves
@@ -55,17 +54,15 @@ EXIT_COLLAPSED = 3
 
 @dataclass
 class FaultConfig:
-    """``sat.faults``: injected faults, for the fault tests (docs/faults.md). All off by default.
+    """``sat.faults``: an injected fault, to watch a rollback (docs/faults.md). Off by default.
 
     Args:
         lr_spike_steps: global steps whose optimizer steps run at ``lr_spike_factor`` x the lr.
         lr_spike_factor: the factor (> 0).
-        checkpoint_enospc_step: the global step whose checkpoint fails with ENOSPC (-1: none).
     """
 
     lr_spike_steps: tuple[int, ...] = ()
     lr_spike_factor: float = 100.0
-    checkpoint_enospc_step: int = -1
 
     def __post_init__(self) -> None:
         steps = self.lr_spike_steps
@@ -78,20 +75,13 @@ class FaultConfig:
         factor = self.lr_spike_factor
         if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not factor > 0:
             raise ValueError(f"sat.faults.lr_spike_factor must be a number > 0, got {factor!r}")
-        step = self.checkpoint_enospc_step
-        if isinstance(step, bool) or not isinstance(step, int) or step < -1 or step == 0:
-            raise ValueError(f"sat.faults.checkpoint_enospc_step must be -1 or a global step >= 1, got {step!r}")
 
     @classmethod
     def from_node(cls, node: Any) -> FaultConfig:
         """From the ``sat.faults`` node (DictConfig, dict or None); unknown keys are an error."""
-        if node is not None and hasattr(node, "_metadata"):
-            from omegaconf import OmegaConf
+        from verl_sat.trainer.config_node import config_from_node
 
-            node = OmegaConf.to_container(node, resolve=True)
-        from verl_sat.files import known_keys
-
-        return cls(**known_keys(dict(node or {}), cls, "sat.faults"))
+        return config_from_node(cls, node, "sat.faults")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -107,9 +97,12 @@ def checkpoint_complete(step_dir: Path, async_mode: bool = True) -> bool:
 
 
 def read_tracker(checkpoint_dir: Path) -> int | None:
-    """The step in verl's tracker file, or None if it is missing, empty or torn."""
+    """The step in verl's tracker file, or None if it is missing, empty or torn (where verl's own
+    ``find_latest_ckpt_path`` raises)."""
+    from verl.utils.checkpoint.checkpoint_manager import get_checkpoint_tracker_filename
+
     try:
-        return int((Path(checkpoint_dir) / TRACKER).read_text().strip())
+        return int(Path(get_checkpoint_tracker_filename(str(checkpoint_dir))).read_text().strip())
     except (OSError, ValueError):
         return None
 
@@ -274,37 +267,19 @@ class FaultMixin:
         folder = Path(str(self.config.trainer.default_local_dir))  # type: ignore[attr-defined]
         step = int(self.global_steps)  # type: ignore[attr-defined]
         try:
-            with self._enospc_if_asked(step, folder):
-                super()._save_checkpoint()  # type: ignore[misc]
+            super()._save_checkpoint()  # type: ignore[misc]
         except OSError as exc:
+            cause = getattr(exc, "cause", exc)  # an actor worker's arrives as Ray's RayTaskError(OSError)
             kept = read_tracker(folder)
             latest = f"global_step_{kept}" if kept is not None else "none"
             print(
                 f"[verl-sat] error: the checkpoint of step {step} could not be written to "
-                f"{getattr(exc, 'filename', None) or folder / f'global_step_{step}'}: {exc.strerror or exc}; "
+                f"{getattr(cause, 'filename', None) or folder / f'global_step_{step}'}: {cause.strerror or cause}; "
                 f"the latest checkpoint stays {latest} ({folder / TRACKER} unchanged)",
                 flush=True,
             )
             raise
         prune_snapshots(folder, log=lambda line: print(line, flush=True))
-
-    def _enospc_if_asked(self, step: int, folder: Path) -> Any:
-        """A context in which verl's ``torch.save`` of ``data.pt`` fails with ENOSPC after writing
-        a few bytes, for ``sat.faults.checkpoint_enospc_step`` (after the actor's files exist)."""
-        import contextlib
-        from unittest import mock
-
-        import torch
-
-        if self._faults().checkpoint_enospc_step != step:
-            return contextlib.nullcontext()
-
-        def full_disk(obj: Any, f: Any, *args: Any, **kwargs: Any) -> None:
-            with open(f, "wb") as out:
-                out.write(b"\x80\x02partial")
-            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(f))
-
-        return mock.patch.object(torch, "save", full_disk)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -327,11 +302,10 @@ def collapse_exit(record: dict[str, Any] | None) -> tuple[int, str | None]:
 
 
 def finish_run(run_dir: Path, log: Any = print) -> int:
-    """After verl's trainer returns (or fails): one metrics timeline, the sample accounting and the
-    sentinel's record in ``run.json``, their lines on the console; returns the exit status."""
+    """After verl's trainer returns (or fails): the sample accounting and the sentinel's record in
+    ``run.json``, their lines on the console; returns the exit status."""
     from verl_sat.trainer import accounting
 
-    accounting.finish_metrics(run_dir)
     samples = accounting.summarize(run_dir)
     record = read_sentinel_record(run_dir)
     update_run_record(run_dir, samples=samples, **({"sentinel": record} if record is not None else {}))

@@ -23,6 +23,7 @@ from __future__ import annotations
 from typing import Any
 
 from verl_sat.default.heldout import HELDOUT_GREEDY_KEY, HELDOUT_KEY, HeldoutConfig
+from verl_sat.trainer.config_node import config_from_node
 
 STEP_KEY = "eval/heldout_step"
 INITIAL_SUFFIX = "_initial"
@@ -31,43 +32,6 @@ INITIAL_SUFFIX = "_initial"
 def optimizer_step(global_step: int, sync_step: int, local_step: int) -> int:
     """s = (t - 1) n + i + 1: the optimizer step that mini-batch i of global step t completes."""
     return (int(global_step) - 1) * int(sync_step) + int(local_step) + 1
-
-
-def check_heldout(
-    heldout: HeldoutConfig, steps_per_global: int, total_global: int | None, strategy: str, device: str = "cpu"
-) -> None:
-    """Refuse what cannot be honoured, naming the key: a Megatron actor, a trainer off CPU (the
-    held-out sums are the CPU default's task, scored by the CPU rollout engine), a step past the
-    run's end, two named steps in one global step (its row holds one evaluation)."""
-    if not heldout.enabled:
-        return
-    if device != "cpu":
-        raise ValueError(
-            f"sat.heldout scores the CPU default's held-out sums with its CPU engine: it needs trainer.device=cpu, "
-            f"got {device!r}"
-        )
-    if strategy != "fsdp":
-        raise ValueError(
-            f"sat.heldout needs sat.strategy=fsdp (the actor's model scored as a transformers model), got {strategy!r}"
-        )
-    n = int(steps_per_global)
-    if total_global is not None:
-        last = int(total_global) * n
-        late = [s for s in heldout.at if s > last]
-        if late:
-            raise ValueError(
-                f"sat.heldout.at={heldout.at}: step(s) {late} come after the run's last optimizer step {last} "
-                f"(trainer.total_training_steps={total_global} x {n} per global step)"
-            )
-    rows: dict[int, int] = {}
-    for s in heldout.at:
-        row = max(1, -(-s // n))  # the global step whose row holds s (step 0: row 1's _initial)
-        if s > 0 and row in rows and rows[row] > 0:
-            raise ValueError(
-                f"sat.heldout.at={heldout.at}: steps {rows[row]} and {s} fall in the same global step {row} "
-                f"({n} optimizer steps per global step); name at most one per global step"
-            )
-        rows[row] = s
 
 
 def heldout_spec(heldout: HeldoutConfig, tokenizer_path: str, max_response_length: int) -> dict[str, Any]:
@@ -113,7 +77,8 @@ class HeldoutTrainerMixin:
 
     def _heldout(self) -> HeldoutConfig:
         if "_sat_heldout" not in self.__dict__:
-            self._sat_heldout = HeldoutConfig.from_node((self.config.get("sat") or {}).get("heldout"))  # type: ignore[attr-defined]
+            node = (self.config.get("sat") or {}).get("heldout")  # type: ignore[attr-defined]
+            self._sat_heldout = config_from_node(HeldoutConfig, node, "sat.heldout")
             self._sat_heldout_rows: dict[str, float] = {}
         return self._sat_heldout
 
@@ -155,38 +120,3 @@ class HeldoutTrainerMixin:
         if self._heldout().enabled and self._sat_heldout_rows:
             metrics.update(self._sat_heldout_rows)
             self._sat_heldout_rows = {}
-
-
-def training_questions(train_files: Any) -> list[str] | None:
-    """The ``extra_info.question`` of every row of verl's parquet ``data.train_files`` (None: unreadable
-    or not the default task's format, so nothing can be said about overlap)."""
-    import pandas as pd
-
-    files = [train_files] if isinstance(train_files, str) else list(train_files or [])
-    questions: list[str] = []
-    try:
-        for path in files:
-            extra = pd.read_parquet(str(path), columns=["extra_info"])["extra_info"]
-            questions.extend(str(e["question"]) for e in extra)
-    except (OSError, KeyError, TypeError, ValueError):
-        return None
-    return questions
-
-
-def overlap_warning(heldout: HeldoutConfig, train_files: Any) -> str | None:
-    """A line when held-out problems are also training prompts (the study never trains on them)."""
-    if not heldout.enabled:
-        return None
-    questions = training_questions(train_files)
-    if questions is None:
-        return None
-    from verl_sat.default.heldout import heldout_problems, train_overlap
-
-    shared = train_overlap(questions, heldout_problems(heldout.problems, heldout.seed))
-    if not shared:
-        return None
-    return (
-        f"{shared} of the {heldout.problems} held-out problems (sat.heldout) are also in data.train_files: "
-        "the study never trains on them; `python -m verl_sat.default.data --out DIR --exclude-heldout "
-        f"{heldout.problems}` writes a training set without them"
-    )

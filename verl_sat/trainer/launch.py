@@ -1,13 +1,18 @@
 """Before Ray starts: every path checked, the run directory made (or resumed), the workers'
-environment set, and ``run.json`` written. ``verl_sat.main.prepare`` calls these in order.
+environment set, and ``run.json`` written. :func:`prepare_run` does these in order, on the config
+``verl_sat.trainer.recipe.resolve`` made (``verl_sat.main.prepare`` calls the two).
 
+- :func:`fill_defaults`: what the user left unset, from the embedded default (``sat.default_assets``,
+  built by ``verl_sat.default.assets``);
 - :func:`check_paths`: the keys a run cannot start without, and every local path the config
-  names, fail here with the key and the path;
+  names, fail here with the key and the path (and :func:`overlap_warning` for ``sat.heldout``);
 - :func:`make_run_dir`: ``sat.run_dir`` (printed at start) with verl's file logger and
   checkpoints pointed into it; a directory that already holds metrics is resumed from its newest
   complete checkpoint (``trainer.resume_mode=auto``) or refused, and nothing is overwritten;
 - :func:`set_platform_env`, :func:`pass_env_to_ray`: what the Ray workers need from the driver,
   through the job's runtime environment (a cluster started beforehand does not inherit ours);
+- ``verl_sat.cluster.paths.prepare_cluster``: on a cluster started beforehand, every path checked
+  on every node;
 - :func:`write_run_record`: the record of what ran.
 """
 
@@ -17,6 +22,7 @@ import json
 import os
 import re
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -25,11 +31,17 @@ from omegaconf import DictConfig, ListConfig, OmegaConf, open_dict
 from verl_sat.default.assets import (
     LEGACY_REWARD_PATH_KEY,
     MODEL_PATH_KEY,
+    REWARD_FUNCTION,
+    REWARD_NAME_KEY,
     REWARD_PATH_KEY,
     TRAIN_FILES_KEY,
     VAL_FILES_KEY,
-    is_unset,
+    assets_complete,
+    build_assets_once,
+    default_assets_dir,
+    default_values,
 )
+from verl_sat.default.heldout import HeldoutConfig
 from verl_sat.files import METRICS_FILE, RUN_RECORD
 from verl_sat.trainer import auto_lag
 from verl_sat.trainer.accounting import prepare_resume
@@ -58,6 +70,56 @@ RAY_ENV_VARS = (
     "VERL_USE_EXTERNAL_PLUGINS",
 )
 RAY_ENV_PREFIX = "VERL_SAT_"
+
+
+# ---------------------------------------------------------------------------------------------
+# the embedded default
+# ---------------------------------------------------------------------------------------------
+
+
+def is_unset(cfg: DictConfig, key: str) -> bool:
+    """The user left ``key`` unset: null, ``???`` or absent (our default configs leave these null)."""
+    return OmegaConf.select(cfg, key, default=None) is None
+
+
+def keys_to_fill(cfg: DictConfig) -> list[str]:
+    """The embedded default's keys the user left unset (the reward also counts as set through
+    verl's legacy top-level ``custom_reward_function.path``)."""
+    keys = [k for k in (MODEL_PATH_KEY, TRAIN_FILES_KEY, VAL_FILES_KEY) if is_unset(cfg, k)]
+    if is_unset(cfg, REWARD_PATH_KEY) and is_unset(cfg, LEGACY_REWARD_PATH_KEY):
+        keys.append(REWARD_PATH_KEY)
+    return keys
+
+
+def fill_defaults(cfg: DictConfig, assets_dir: str | None = None) -> dict[str, str]:
+    """Fill each key of the embedded default that the user left unset; returns ``{key: value}`` filled.
+
+    A value the user passed is kept, whatever it is; our default configs leave the four keys null
+    so that "null" is what "unset" means. The tiny model and data are built (once) only when the
+    model or a data split is to be filled. The reward's function name defaults to
+    ``compute_score``; a name the user set must exist in the embedded reward module.
+    """
+    from verl_sat.default import reward
+
+    fill = keys_to_fill(cfg)
+    assets = Path(assets_dir) if assets_dir else default_assets_dir()
+    if any(k != REWARD_PATH_KEY for k in fill) and not assets_complete(assets):
+        build_assets_once(assets)
+    values = default_values(assets)
+    filled = {key: values[key] for key in fill}
+    if REWARD_PATH_KEY in fill:
+        name = OmegaConf.select(cfg, REWARD_NAME_KEY, default=None)
+        if name is None:
+            filled[REWARD_NAME_KEY] = REWARD_FUNCTION
+        elif not callable(getattr(reward, str(name), None)):
+            raise ValueError(
+                f"{REWARD_NAME_KEY}={name!r} is not a function of the embedded reward {reward.__file__} "
+                f"(it has {REWARD_FUNCTION!r}); set {REWARD_PATH_KEY}= to your own reward file or drop the name"
+            )
+    with open_dict(cfg):
+        for key, value in filled.items():
+            OmegaConf.update(cfg, key, value, merge=False)
+    return filled
 
 
 # ---------------------------------------------------------------------------------------------
@@ -92,6 +154,41 @@ def check_paths(cfg: DictConfig) -> None:
     for key in (REWARD_PATH_KEY, LEGACY_REWARD_PATH_KEY):
         if not is_unset(cfg, key):
             check_local_path(key, OmegaConf.select(cfg, key))
+
+
+def training_questions(train_files: Any) -> list[str] | None:
+    """The ``extra_info.question`` of every row of verl's parquet ``data.train_files`` (None: unreadable
+    or not the default task's format, so nothing can be said about overlap)."""
+    import pandas as pd
+
+    files = [train_files] if isinstance(train_files, str) else list(train_files or [])
+    questions: list[str] = []
+    try:
+        for path in files:
+            extra = pd.read_parquet(str(path), columns=["extra_info"])["extra_info"]
+            questions.extend(str(e["question"]) for e in extra)
+    except (OSError, KeyError, TypeError, ValueError):
+        return None
+    return questions
+
+
+def overlap_warning(heldout: HeldoutConfig, train_files: Any) -> str | None:
+    """A line when held-out problems are also training prompts (the study never trains on them)."""
+    if not heldout.enabled:
+        return None
+    questions = training_questions(train_files)
+    if questions is None:
+        return None
+    from verl_sat.default.heldout import heldout_problems, train_overlap
+
+    shared = train_overlap(questions, heldout_problems(heldout.problems, heldout.seed))
+    if not shared:
+        return None
+    return (
+        f"{shared} of the {heldout.problems} held-out problems (sat.heldout) are also in data.train_files: "
+        "the study never trains on them; `python -m verl_sat.default.data --out DIR --exclude-heldout "
+        f"{heldout.problems}` writes a training set without them"
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -192,3 +289,36 @@ def write_run_record(
         "config": OmegaConf.to_container(cfg, resolve=True),
     }
     (run_dir / RUN_RECORD).write_text(json.dumps(record, indent=1))
+
+
+# ---------------------------------------------------------------------------------------------
+# in order
+# ---------------------------------------------------------------------------------------------
+def prepare_run(
+    cfg: DictConfig,
+    sat: SATRecipeConfig,
+    derived: str,
+    log: Callable[[str], None] = print,
+    check_nodes: Callable[[DictConfig, Path, Callable[[str], None]], Any] | None = None,
+) -> Path:
+    """Fill, check every path, make the run directory, set the workers' environment, check the
+    cluster's nodes and write ``run.json``, on the config ``recipe.resolve`` made; returns the run directory.
+
+    ``check_nodes(cfg, run_dir, log)``: on a cluster started beforehand, every path checked on every
+    node (``verl_sat.preflight.cluster.prepare_cluster``, handed in by ``verl_sat.main``: the preflight
+    imports this module, so this module does not import it).
+    """
+    filled = fill_defaults(cfg, sat.assets_dir) if sat.default_assets else {}
+    if filled:
+        log(f"[verl-sat] embedded default fills what was left unset: {', '.join(filled)}")
+    check_paths(cfg)
+    warning = overlap_warning(sat.heldout, cfg.data.get("train_files"))
+    if warning:
+        log(f"[verl-sat] warning: {warning}")
+    set_platform_env(cfg)
+    run_dir = make_run_dir(cfg, sat)
+    pass_env_to_ray(cfg)
+    if check_nodes is not None:
+        check_nodes(cfg, run_dir, log)
+    write_run_record(run_dir, cfg, sat, derived, filled)
+    return run_dir

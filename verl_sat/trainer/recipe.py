@@ -10,8 +10,9 @@ holds n optimizer steps over n consecutive mini-batches:
     trainer.v1.separate_async.num_warmup_batches  = 1 / n   (one mini-batch of prompts in flight)
     trainer.v1.sampler.max_off_policy_threshold   = 2       (current or previous weight version)
 
-The main configs (``sat_paper.yaml``, ``sat_gspo_cpu.yaml``) also set
-``trainer.v1.sampler.max_off_policy_strategy = wait``: verl's default ``drop`` evicts a group whose
+:func:`apply_lag` is the one source of these keys: no YAML sets them (``hydra_configs/lag/n*.yaml``
+set only ``sat.lag`` and the run's length). The main configs (``sat_paper.yaml``, ``sat_gspo_cpu.yaml``)
+also set ``trainer.v1.sampler.max_off_policy_strategy = wait``: verl's default ``drop`` evicts a group whose
 prompt is older than the threshold once it has finished generating (the long responses), ``wait``
 holds sampling until such prompts finish and trains on them. ``apply_lag`` leaves the strategy as
 composed (a user's ``drop`` stays) and warns when it is ``drop``.
@@ -25,12 +26,16 @@ earlier (``verl_sat.trainer.actor.staleness_in_steps`` measures it per sample). 
 flight), and the trainer decides after each step whether verl's weight sync runs
 (``SATTrainerMixin``); ``sat.auto_lag.max`` bounds the staleness. separate_async only: the
 colocated modes' rollout drops its weights between steps and must be sent them every step.
+
+:func:`resolve` makes every change verl-sat makes to the composed config before verl reads it
+(the method's name, the ``sat:`` node validated in one pass, ``sat.*`` onto verl's keys):
+``verl_sat.main.prepare`` and ``python -m verl_sat.paper.grid --print`` share it.
 """
 
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from fractions import Fraction
 from typing import Any
@@ -38,7 +43,9 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from verl_sat.default.heldout import HeldoutConfig
+from verl_sat.sat.config import SATPolicyLossConfig, sat_settings
 from verl_sat.trainer.auto_lag import AUTO, AutoLagConfig
+from verl_sat.trainer.config_node import config_from_node
 from verl_sat.trainer.faults import FaultConfig
 from verl_sat.trainer.sentinel import SentinelConfig
 
@@ -111,25 +118,23 @@ class SATRecipeConfig:
         for name in ("actor", "default_assets", "verbose"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"sat.{name} must be true or false, got {getattr(self, name)!r}")
+        needs_actor = (
+            (
+                self.sentinel.enabled,
+                "sat.sentinel.enabled=true needs sat.actor=true (the sentinel runs in SATTrainerMixin)",
+            ),
+            (self.heldout.enabled, "sat.heldout.problems > 0 needs sat.actor=true (it runs in SATTrainerMixin)"),
+            (self.lag == AUTO, f"sat.lag={AUTO} needs sat.actor=true (the decision runs in SATTrainerMixin)"),
+        )
+        for on, why in needs_actor:
+            if on and not self.actor:
+                raise ValueError(why)
 
     @classmethod
     def from_node(cls, node: Any) -> SATRecipeConfig:
-        """Build from the ``sat:`` DictConfig; unknown keys are an error naming the key."""
-        from verl_sat.files import known_keys
-
-        values = known_keys(dict(node) if node is not None else {}, cls, "sat")
-        sentinel = SentinelConfig.from_node(values.pop("sentinel", None))
-        values["faults"] = FaultConfig.from_node(values.pop("faults", None))
-        values["auto_lag"] = AutoLagConfig.from_node(values.pop("auto_lag", None))
-        values["heldout"] = HeldoutConfig.from_node(values.pop("heldout", None))
-        needs_actor = (
-            (sentinel.enabled, "sat.sentinel.enabled=true needs sat.actor=true (the sentinel runs in SATTrainerMixin)"),
-            (values["heldout"].enabled, "sat.heldout.problems > 0 needs sat.actor=true (it runs in SATTrainerMixin)"),
-        )
-        for on, why in needs_actor:
-            if on and not values.get("actor", True):
-                raise ValueError(why)
-        return cls(**values, sentinel=sentinel)
+        """Build from the ``sat:`` DictConfig with its nested sections, in one pass; an unknown key is
+        an error naming it under its dotted prefix (``sat.sentinel.foo``)."""
+        return config_from_node(cls, node, "sat")
 
 
 def _verl_reference_config(name: str) -> DictConfig:
@@ -221,8 +226,6 @@ def apply_lag(cfg: DictConfig, lag: int | str) -> None:
                 f"sat.lag={AUTO} needs trainer.v1.trainer_mode={ASYNC_MODE}: trainer.v1.trainer_mode="
                 f"{v1.trainer_mode} broadcasts after every step (its rollout drops its weights between steps)"
             )
-        if not bool(OmegaConf.select(cfg, "sat.actor", default=True)):
-            raise ValueError(f"sat.lag={AUTO} needs sat.actor=true (the decision runs in SATTrainerMixin)")
         lag = 1  # one optimizer step per global step; the trainer gates each step's broadcast
     elif mode != ASYNC_MODE:
         if lag != 1:
@@ -361,11 +364,12 @@ def gate_starvation_warning(cfg: DictConfig) -> str | None:
     """
     actor = cfg.actor_rollout_ref.actor
     policy_loss = actor.get("policy_loss") or {}
-    if policy_loss.get("loss_mode") != "sat_gspo" or not policy_loss.get("sat_enabled", True):
+    if policy_loss.get("loss_mode") != "sat_gspo":
         return None
-    if policy_loss.get("sat_quantile_scope", "step") != "micro_batch":
+    sat = sat_settings(policy_loss)  # the keys left out read SATPolicyLossConfig's defaults
+    if not sat.sat_enabled or sat.sat_quantile_scope != "micro_batch":
         return None
-    alpha = float(policy_loss.get("sat_alpha", 0.9))
+    alpha = float(sat.sat_alpha)
     if actor.get("use_dynamic_bsz", False):
         longest = int(cfg.data.max_prompt_length) + int(cfg.data.max_response_length)
         per_micro = int(actor.ppo_max_token_len_per_gpu) // max(longest, 1)
@@ -382,36 +386,183 @@ def gate_starvation_warning(cfg: DictConfig) -> str | None:
     )
 
 
-# The ConfigStore names of the defaults above, listed in the main configs' and SAT algorithm
-# options' ``defaults:`` (``- sat_defaults@sat``, ``- /sat_policy_loss_defaults@<policy_loss>``).
+def check_heldout(
+    heldout: HeldoutConfig, steps_per_global: int, total_global: int | None, strategy: str, device: str = "cpu"
+) -> None:
+    """Refuse what ``sat.heldout`` cannot honour, naming the key: a Megatron actor, a trainer off CPU (the
+    held-out sums are the CPU default's task, scored by the CPU rollout engine), a step past the
+    run's end, two named steps in one global step (its row holds one evaluation)."""
+    if not heldout.enabled:
+        return
+    if device != "cpu":
+        raise ValueError(
+            f"sat.heldout scores the CPU default's held-out sums with its CPU engine: it needs trainer.device=cpu, "
+            f"got {device!r}"
+        )
+    if strategy != "fsdp":
+        raise ValueError(
+            f"sat.heldout needs sat.strategy=fsdp (the actor's model scored as a transformers model), got {strategy!r}"
+        )
+    n = int(steps_per_global)
+    if total_global is not None:
+        last = int(total_global) * n
+        late = [s for s in heldout.at if s > last]
+        if late:
+            raise ValueError(
+                f"sat.heldout.at={heldout.at}: step(s) {late} come after the run's last optimizer step {last} "
+                f"(trainer.total_training_steps={total_global} x {n} per global step)"
+            )
+    rows: dict[int, int] = {}
+    for s in heldout.at:
+        row = max(1, -(-s // n))  # the global step whose row holds s (step 0: row 1's _initial)
+        if s > 0 and row in rows and rows[row] > 0:
+            raise ValueError(
+                f"sat.heldout.at={heldout.at}: steps {rows[row]} and {s} fall in the same global step {row} "
+                f"({n} optimizer steps per global step); name at most one per global step"
+            )
+        rows[row] = s
+
+
+# ---------------------------------------------------------------------------------------------
+# sat.method: the Table-1 row a config runs
+# ---------------------------------------------------------------------------------------------
+# verl's loss_mode -> the paper's objective (SAT losses with sat_enabled=false are their base loss).
+_OBJECTIVES = {"vanilla": "grpo", "gspo": "gspo", "sat": "grpo", "sat_gspo": "gspo"}
+_SAT_LOSSES = ("sat", "sat_gspo")
+
+
+def _select(cfg: Any, key: str, default: Any = None) -> Any:
+    value = OmegaConf.select(cfg, key, default=default)
+    return default if value is None else value
+
+
+def rollout_correction_label(correction: Any) -> str | None:
+    """The stabilizer verl's ``algorithm.rollout_correction`` applies, or None.
+
+    verl's v1 trainer applies IS weights and rejection sampling only in decoupled mode
+    (``bypass_mode=false``). Token-level IS with one threshold is the paper's TIS; sequence-level
+    IS is ``seq_tis``, a ``"lower_upper"`` threshold is IcePop; rejection sampling adds ``rs``.
+    """
+    if not correction or correction.get("bypass_mode", False):
+        return None
+    parts = []
+    level = correction.get("rollout_is")
+    if level is not None:
+        threshold = correction.get("rollout_is_threshold")
+        if isinstance(threshold, str) and "_" in threshold:
+            parts.append("icepop" if level == "token" else f"{level}_icepop")
+        else:
+            parts.append("tis" if level == "token" else "seq_tis")
+    if correction.get("rollout_rs") is not None:
+        parts.append("rs")
+    return "_".join(parts) or None
+
+
+def routing_replay_mode(cfg: Any) -> str:
+    """``sat.routing_replay``, else the actor engine's own ``router_replay.mode`` (docs/routing_replay.md)."""
+    mode = str(_select(cfg, "sat.routing_replay", SATRecipeConfig.routing_replay))
+    if mode != "disabled":
+        return mode
+    strategy = str(_select(cfg, "actor_rollout_ref.actor.strategy", ""))
+    node = {"megatron": "megatron", "veomni": "veomni"}.get(strategy, "fsdp_config")
+    return str(_select(cfg, f"actor_rollout_ref.actor.{node}.router_replay.mode", "disabled"))
+
+
+def derive_method(cfg: Any) -> str:
+    """The method a composed config runs, named as Table 1 names it: ``sat_gspo_r3``, ``grpo_tis``.
+
+    From ``actor_rollout_ref.actor.policy_loss.loss_mode`` and ``sat_enabled`` (the objective),
+    ``algorithm.rollout_correction`` (TIS, :func:`rollout_correction_label`) and the routing
+    replay mode (``r2`` / ``r3``, :func:`routing_replay_mode`). ``dppo_*`` losses are ``dppo``;
+    any other verl loss keeps its loss_mode. ``verl_sat.paper.table.normalize_method`` leaves the
+    result unchanged.
+    """
+    loss_mode = str(_select(cfg, "actor_rollout_ref.actor.policy_loss.loss_mode", "vanilla"))
+    sat_enabled = _select(cfg, "actor_rollout_ref.actor.policy_loss.sat_enabled", SATPolicyLossConfig.sat_enabled)
+    sat_on = loss_mode in _SAT_LOSSES and bool(sat_enabled)
+    objective = "dppo" if loss_mode.startswith("dppo") else _OBJECTIVES.get(loss_mode, loss_mode)
+    parts = (["sat"] if sat_on else []) + [objective]
+    correction = rollout_correction_label(_select(cfg, "algorithm.rollout_correction"))
+    if correction:
+        parts.append(correction)
+    routing = routing_replay_mode(cfg)
+    if routing != "disabled":
+        parts.append(routing.lower())
+    return "_".join(parts)
+
+
+def label_method(cfg: DictConfig) -> str:
+    """The method the config runs (:func:`derive_method`); fills ``sat.method`` when left null.
+
+    Runs before anything resolves ``sat.method`` (``sat_paper.yaml`` names the experiment and
+    run directory after it). Returns the derived label, also when an explicit one wins.
+    """
+    derived = derive_method(cfg)
+    if OmegaConf.select(cfg, "sat.method", default=None) is None:
+        with open_dict(cfg):
+            OmegaConf.update(cfg, "sat.method", derived, merge=False)
+    return derived
+
+
+# ---------------------------------------------------------------------------------------------
+# the config verl receives
+# ---------------------------------------------------------------------------------------------
+def apply_recipe(cfg: DictConfig, sat: SATRecipeConfig, log: Callable[[str], None] = print) -> None:
+    """``sat.strategy``, ``sat.lag``, ``sat.actor`` and ``sat.routing_replay`` onto verl's keys; ``log``
+    gets the strategy's line and the warnings."""
+    dropped = apply_strategy(cfg, sat.strategy)
+    if sat.strategy != "fsdp":
+        fsdp_only = sorted({".".join(k.split(".")[1:3]) for k in dropped})
+        log(
+            f"[verl-sat] sat.strategy={sat.strategy}: actor and reference on verl's {sat.strategy} engine"
+            + (f" (dropped, FSDP-only: {', '.join(fsdp_only)})" if dropped else "")
+        )
+    apply_megatron_betas(cfg)  # verl's Megatron engine ignores optim.betas
+    apply_lag(cfg, sat.lag)
+    apply_actor(cfg, sat.actor)
+    apply_routing_replay(cfg, sat.routing_replay)
+    steps_per_global = 1 if sat.lag == AUTO else int(sat.lag)
+    total = cfg.trainer.get("total_training_steps")
+    check_heldout(sat.heldout, steps_per_global, total, sat.strategy, str(cfg.trainer.get("device", "cuda")))
+    warning = gate_starvation_warning(cfg)
+    if warning:
+        log(f"[verl-sat] warning: {warning}")
+
+
+def resolve(cfg: DictConfig, log: Callable[[str], None] = print) -> tuple[SATRecipeConfig, str]:
+    """Every change verl-sat makes to a composed config before verl reads it, in place: ``sat.method``
+    named (:func:`label_method`), the ``sat:`` node validated in one pass, ``sat.*`` mapped onto verl's
+    keys (:func:`apply_recipe`). Returns the ``sat:`` node and the derived method's name.
+
+    ``verl_sat.main.prepare`` runs it before the run directory is made; ``python -m verl_sat.paper.grid
+    --print`` prints its result, so the printed cell is the one verl receives.
+    """
+    derived = label_method(cfg)
+    sat = SATRecipeConfig.from_node(cfg.get("sat"))
+    apply_recipe(cfg, sat, log)
+    return sat, derived
+
+
+# The ConfigStore name of SATRecipeConfig's defaults, listed in the main configs' ``defaults:``
+# (``- sat_defaults@sat``); the policy-loss node ``sat_policy_loss_defaults`` is ``verl_sat.sat.config``'s.
 SAT_DEFAULTS_NODE = "sat_defaults"
-SAT_POLICY_LOSS_DEFAULTS_NODE = "sat_policy_loss_defaults"
 
 
 def register_config_defaults() -> None:
-    """Register the dataclass defaults in Hydra's ConfigStore, so that the YAML repeats none of them.
+    """Register ``SATRecipeConfig()`` (with its nested sections) in Hydra's ConfigStore as ``sat_defaults``,
+    so that the YAML repeats none of them.
 
-    - ``sat_defaults``: ``SATRecipeConfig()`` (with its sentinel, faults and auto_lag nodes) as a plain
-      dict, composed at ``sat`` by ``sat_gspo_cpu.yaml`` and ``sat_paper.yaml``: every ``sat.*`` key
-      exists, so ``verl-sat sat.sentinel.window=30`` needs no ``+``. A plain dict, not a structured
-      config: ``sat.lag`` is ``int | str`` (``auto``), and ``SATRecipeConfig.from_node`` validates.
-    - ``sat_policy_loss_defaults``: the ``sat_*`` fields of ``SATPolicyLossConfig()``, composed into
-      ``actor_rollout_ref.actor.policy_loss`` by ``algorithm/sat_grpo.yaml`` and ``algorithm/sat_gspo.yaml``
-      (verl builds the dataclass from ``_target_``; the keys are there so that overrides need no ``+``).
-
-    Called when this module is imported: every composer (``verl_sat.main``, ``verl_sat.paper.grid``,
-    the tests' ``conftest.py``) imports it before composing.
+    Composed at ``sat`` by ``sat_gspo_cpu.yaml`` and ``sat_paper.yaml``: every ``sat.*`` key exists, so
+    ``verl-sat sat.sentinel.window=30`` needs no ``+``. A plain dict, not a structured config: ``sat.lag``
+    is ``int | str`` (``auto``), and ``SATRecipeConfig.from_node`` validates. Called when this module is
+    imported: every composer (``verl_sat.main``, ``verl_sat.paper.grid``, the tests' ``conftest.py``)
+    imports it before composing.
     """
     import dataclasses
 
     from hydra.core.config_store import ConfigStore
 
-    from verl_sat.sat.config import SAT_FIELDS, SATPolicyLossConfig
-
-    store = ConfigStore.instance()
-    store.store(name=SAT_DEFAULTS_NODE, node=dataclasses.asdict(SATRecipeConfig()))
-    loss = SATPolicyLossConfig()
-    store.store(name=SAT_POLICY_LOSS_DEFAULTS_NODE, node={name: getattr(loss, name) for name in SAT_FIELDS})
+    ConfigStore.instance().store(name=SAT_DEFAULTS_NODE, node=dataclasses.asdict(SATRecipeConfig()))
 
 
 register_config_defaults()

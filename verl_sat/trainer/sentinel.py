@@ -158,9 +158,9 @@ class SentinelConfig:
     @classmethod
     def from_node(cls, node: Any) -> SentinelConfig:
         """Build from the ``sat.sentinel`` node (DictConfig, dict or None); unknown keys are an error."""
-        from verl_sat.files import known_keys
+        from verl_sat.trainer.config_node import config_from_node
 
-        return cls(**known_keys(_to_container(node), cls, "sat.sentinel"))
+        return config_from_node(cls, node, "sat.sentinel")
 
 
 def _check(name: str, value: Any, ok: bool, expected: str) -> None:
@@ -177,16 +177,6 @@ def _check_float(name: str, value: Any, strictly_positive: bool) -> None:
     number = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
     ok = number and (value > 0 if strictly_positive else value >= 0)
     _check(name, value, ok, "a finite number " + ("> 0" if strictly_positive else ">= 0"))
-
-
-def _to_container(node: Any) -> dict[str, Any]:
-    if node is None:
-        return {}
-    if hasattr(node, "_metadata"):  # an OmegaConf node; imported lazily (not needed for dicts)
-        from omegaconf import OmegaConf
-
-        node = OmegaConf.to_container(node, resolve=True)
-    return dict(node)
 
 
 # ---------------------------------------------------------------------------------------------
