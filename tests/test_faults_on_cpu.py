@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import errno
 import json
+import os
 from pathlib import Path
 from typing import Any
 from unittest import mock
@@ -73,25 +74,39 @@ def metrics_rows(steps: range, attempt: str) -> list[dict]:
     return [{"step": s, "data": {"attempt": attempt}} for s in steps]
 
 
+def verl_logs(path: Path, steps: range, attempt: str) -> None:
+    """An attempt's metrics, written by verl's own FileLogger (it opens the file with "wb")."""
+    from verl.utils.tracking import FileLogger
+
+    os.environ["VERL_FILE_LOGGER_PATH"] = str(path)
+    try:
+        logger = FileLogger("project", "experiment")
+        for step in steps:
+            logger.log({"attempt": attempt}, step=step)
+        logger.finish()
+    finally:
+        del os.environ["VERL_FILE_LOGGER_PATH"]
+
+
 def test_resume_keeps_one_timeline_of_metrics_and_samples(tmp_path: Path):
     """Attempt 1 ran steps 1-5 (checkpoint at 4) and was killed; attempt 2 resumes from 4, is
-    killed after step 7 (checkpoint at 6); attempt 3 resumes from 6 and ends at 8."""
-    files.write_jsonl(tmp_path / "metrics.jsonl", metrics_rows(range(1, 6), "a1"))
+    killed after step 7 (checkpoint at 6); attempt 3 resumes from 6 and ends at 8. verl's file
+    logger writes every attempt's rows; the rows a resume keeps survive its "wb"
+    (``keep_metrics_on_resume``, installed when verl imports its tracking module)."""
+    metrics = tmp_path / "metrics.jsonl"
+    verl_logs(metrics, range(1, 6), "a1")
     files.write_jsonl(tmp_path / "samples.jsonl", [trained(s, [s]) for s in range(1, 6)])
     moved = accounting.prepare_resume(tmp_path, 4)
     assert moved == {"resumed_from_step": 4, "superseded_metric_steps": 1, "superseded_trained_steps": 1}
-    assert not (tmp_path / "metrics.jsonl").exists()  # verl's logger starts it afresh
-    # attempt 2, killed: its metrics.jsonl holds only its own rows, its samples are appended
-    files.write_jsonl(tmp_path / "metrics.jsonl", metrics_rows(range(5, 8), "a2"))
+    assert [r["step"] for r in files.read_jsonl(metrics)] == [1, 2, 3, 4]
+    verl_logs(metrics, range(5, 8), "a2")  # attempt 2, killed
     files.append_jsonl(tmp_path / "samples.jsonl", [trained(s, [s]) for s in range(5, 8)])
     accounting.prepare_resume(tmp_path, 6)
-    files.write_jsonl(tmp_path / "metrics.jsonl", metrics_rows(range(7, 9), "a3"))
+    verl_logs(metrics, range(7, 9), "a3")
     files.append_jsonl(tmp_path / "samples.jsonl", [trained(s, [s]) for s in range(7, 9)])
-    accounting.finish_metrics(tmp_path)
-    rows = files.read_jsonl(tmp_path / "metrics.jsonl")
+    rows = files.read_jsonl(metrics)
     assert [r["step"] for r in rows] == list(range(1, 9))  # no step missing or twice
     assert [r["data"]["attempt"] for r in rows] == ["a1"] * 4 + ["a2"] * 2 + ["a3"] * 2
-    assert not (tmp_path / "metrics.prefix.jsonl").exists()
     superseded = files.read_jsonl(tmp_path / "metrics.superseded.jsonl")
     assert [(r["step"], r["superseded_by_resume_from"]) for r in superseded] == [(5, 4), (7, 6)]
     s = accounting.summarize(tmp_path)
@@ -148,17 +163,27 @@ def test_latest_checkpoint_follows_verls_tracker_and_repairs_a_torn_one(tmp_path
 
 
 class SaveStub:
-    """What verl's ``PPOTrainer._save_checkpoint`` calls, with an actor that writes a file."""
+    """What verl's ``PPOTrainer._save_checkpoint`` calls, with an actor that writes a file; at
+    ``full_disk_step`` it then fills the disk as ``tests/disk_full.py``'s actor does, and the
+    error arrives as Ray delivers a worker's (``RayTaskError(OSError)``)."""
 
-    def __init__(self, root: Path) -> None:
-        self.root = root
+    def __init__(self, full_disk_step: int) -> None:
+        self.full_disk_step = full_disk_step
 
-    def save_checkpoint(self, local_path: str, *args: Any, **kwargs: Any) -> None:
+    def save_checkpoint(self, local_path: str, hdfs_path: Any, global_step: int, **kwargs: Any) -> None:
+        from disk_full import fill_disk
+        from ray.exceptions import RayTaskError
+
         Path(local_path).mkdir(parents=True, exist_ok=True)
         (Path(local_path) / "model.pt").write_bytes(b"weights")
+        if global_step == self.full_disk_step:
+            try:
+                fill_disk(local_path)
+            except OSError as exc:
+                raise RayTaskError("save_checkpoint", "Traceback ...", exc).as_instanceof_cause() from None
 
 
-def verl_saving_trainer(tmp_path: Path, enospc_step: int) -> Any:
+def verl_saving_trainer(tmp_path: Path, full_disk_step: int) -> Any:
     """verl's PPOTrainer with verl-sat's save guard, set up just enough for ``_save_checkpoint``."""
     from verl.trainer.ppo.v1 import trainer_base
 
@@ -170,13 +195,13 @@ def verl_saving_trainer(tmp_path: Path, enospc_step: int) -> Any:
     trainer = object.__new__(Trainer)
     trainer.config = OmegaConf.create(
         {
-            "sat": {"faults": {"checkpoint_enospc_step": enospc_step}},
+            "sat": {},
             "trainer": {"default_local_dir": str(tmp_path / "ckpt"), "default_hdfs_dir": None},
             "actor_rollout_ref": {"actor": {"checkpoint": {}}},
         }
     )
     trainer.trainer_mode, trainer.use_critic = "separate_async", False
-    trainer.actor_rollout_wg = SaveStub(tmp_path)
+    trainer.actor_rollout_wg = SaveStub(full_disk_step)
     trainer.train_dataloader = mock.Mock(state_dict=lambda: {"pos": 1})
     trainer.checkpoint_callback = mock.Mock()
     return trainer
@@ -188,17 +213,17 @@ def test_a_disk_that_fills_mid_checkpoint_names_the_path_and_keeps_the_latest(tm
     tq = mock.Mock()
     tq.save_checkpoint.side_effect = lambda path, metadata=None: Path(path).mkdir(parents=True)
     monkeypatch.setattr(trainer_base, "tq", tq)
-    trainer = verl_saving_trainer(tmp_path, enospc_step=4)
+    trainer = verl_saving_trainer(tmp_path, full_disk_step=4)
     trainer.global_steps = 2
     trainer._save_checkpoint()  # verl's save, unchanged: actor, data.pt, TransferQueue, tracker
     assert read_tracker(tmp_path / "ckpt") == 2
     trainer.global_steps = 4
     with pytest.raises(OSError) as caught:
         trainer._save_checkpoint()
-    assert caught.value.errno == errno.ENOSPC
+    assert caught.value.cause.errno == errno.ENOSPC  # the worker's error, as Ray delivers it
     out = capsys.readouterr().out
-    data_pt = tmp_path / "ckpt" / "global_step_4" / "data.pt"
-    assert f"the checkpoint of step 4 could not be written to {data_pt}: No space left on device" in out
+    partial = tmp_path / "ckpt" / "global_step_4" / "actor" / "extra_state.pt"
+    assert f"the checkpoint of step 4 could not be written to {partial}: No space left on device" in out
     assert "the latest checkpoint stays global_step_2" in out
     # the actor's files of step 4 are there, the tracker (written last by verl) is not moved to it
     assert (tmp_path / "ckpt" / "global_step_4" / "actor" / "model.pt").exists()
@@ -268,7 +293,7 @@ def test_main_refuses_an_unwritable_checkpoint_dir_before_ray(tmp_path: Path, sa
     [
         ({"lr_spike_steps": [0]}, r"sat.faults.lr_spike_steps must be a list of global steps >= 1, got \[0\]"),
         ({"lr_spike_factor": 0}, "sat.faults.lr_spike_factor must be a number > 0, got 0"),
-        ({"checkpoint_enospc_step": 0}, "sat.faults.checkpoint_enospc_step must be -1 or a global step >= 1, got 0"),
+        ({"checkpoint_enospc_step": 4}, "unknown key.*sat.faults.checkpoint_enospc_step"),  # now tests/disk_full.py
         ({"lr_spike": 3}, "unknown key.*sat.faults.lr_spike"),
     ],
 )

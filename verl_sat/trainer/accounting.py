@@ -19,23 +19,24 @@ Resume (verl's ``trainer.resume_mode=auto``): the checkpoint of step k holds the
 step k, the dataloader position and TransferQueue (prompts in flight are re-issued). What an
 interrupted attempt did after step k is redone, so ``prepare_resume`` moves its rows with
 ``step > k`` out of ``samples.jsonl`` and ``metrics.jsonl`` into ``*.superseded.jsonl``: both
-files then hold one timeline, one row per step. verl's file logger truncates ``metrics.jsonl``
-when it starts, so the kept rows wait in ``metrics.prefix.jsonl`` and ``finish_metrics`` puts
-them back in front when the job ends (or at the next resume, if it is killed again).
+files then hold one timeline, one row per step. verl 0.9.1's file logger opens ``metrics.jsonl``
+with ``"wb"``; ``keep_metrics_on_resume`` writes back the rows it emptied.
 """
 
 from __future__ import annotations
 
 import hashlib
+import os
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 from verl_sat.files import METRICS_FILE, append_jsonl, read_jsonl, write_jsonl
+from verl_sat.hooks import when_imported, wrap_once
 
 SAMPLES_FILE = "samples.jsonl"
-PREFIX_SUFFIX = ".prefix.jsonl"
 SUPERSEDED_SUFFIX = ".superseded.jsonl"
 # how much of the first epoch's order a fresh run records (enough for any run of its length)
 EPOCH_ORDER_MARGIN = 64
@@ -55,52 +56,44 @@ def _split_at(rows: Sequence[dict[str, Any]], step: int) -> tuple[list[dict], li
     return kept, later
 
 
-def one_row_per_step(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Metrics rows in step order, the later row winning where a step repeats."""
-    by_step: dict[int, dict[str, Any]] = {}
-    for row in rows:
-        by_step[int(row["step"])] = row
-    return [by_step[s] for s in sorted(by_step)]
-
-
-def prepare_resume(run_dir: Path, step: int, attempt_note: str = "") -> dict[str, int]:
+def prepare_resume(run_dir: Path, step: int) -> dict[str, int]:
     """Before a resumed attempt starts from the checkpoint of ``step``: one timeline on disk.
 
-    ``samples.jsonl`` keeps the rows of steps <= ``step``; later ones go to
-    ``samples.superseded.jsonl``. ``metrics.jsonl`` (with an earlier ``metrics.prefix.jsonl``,
-    left by an attempt that was killed) is cut the same way into ``metrics.prefix.jsonl``.
-    Returns how many step rows of each were superseded.
+    ``samples.jsonl`` and ``metrics.jsonl`` keep the rows of steps <= ``step``; later ones go to
+    ``samples.superseded.jsonl`` / ``metrics.superseded.jsonl``. Returns how many step rows of
+    each were superseded.
     """
-    run_dir = Path(run_dir)
-    samples = run_dir / SAMPLES_FILE
-    kept, later = _split_at(read_jsonl(samples), step)
-    append_jsonl(_sibling(samples, SUPERSEDED_SUFFIX), [{**r, "superseded_by_resume_from": step} for r in later])
-    if samples.exists():
-        write_jsonl(samples, kept)
-    metrics, prefix = run_dir / METRICS_FILE, _sibling(run_dir / METRICS_FILE, PREFIX_SUFFIX)
-    rows = one_row_per_step(read_jsonl(prefix) + read_jsonl(metrics))
-    kept_metrics, later_metrics = _split_at(rows, step)
-    append_jsonl(
-        _sibling(metrics, SUPERSEDED_SUFFIX), [{**r, "superseded_by_resume_from": step} for r in later_metrics]
-    )
-    write_jsonl(prefix, kept_metrics)
-    if metrics.exists():
-        metrics.unlink()
+    later: dict[str, list[dict]] = {}
+    for name in (SAMPLES_FILE, METRICS_FILE):
+        path = Path(run_dir) / name
+        kept, later[name] = _split_at(read_jsonl(path), step)
+        append_jsonl(_sibling(path, SUPERSEDED_SUFFIX), [{**r, "superseded_by_resume_from": step} for r in later[name]])
+        if path.exists():
+            write_jsonl(path, kept)
     return {
         "resumed_from_step": step,
-        "superseded_metric_steps": len(later_metrics),
-        "superseded_trained_steps": sum(r.get("event") == "trained" for r in later),
+        "superseded_metric_steps": len(later[METRICS_FILE]),
+        "superseded_trained_steps": sum(r.get("event") == "trained" for r in later[SAMPLES_FILE]),
     }
 
 
-def finish_metrics(run_dir: Path) -> None:
-    """Put the rows kept by ``prepare_resume`` back in front of this attempt's ``metrics.jsonl``."""
-    metrics = Path(run_dir) / METRICS_FILE
-    prefix = _sibling(metrics, PREFIX_SUFFIX)
-    if not prefix.exists():
-        return
-    write_jsonl(metrics, one_row_per_step(read_jsonl(prefix) + read_jsonl(metrics)))
-    prefix.unlink()
+def keep_metrics_on_resume(tracking: ModuleType) -> None:
+    """verl 0.9.1's ``FileLogger`` opens ``VERL_FILE_LOGGER_PATH`` with ``"wb"``, emptying the
+    rows a resumed run keeps (``prepare_resume``): they are written back once it has opened it."""
+
+    def make(original: Any) -> Any:
+        def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+            path = os.environ.get("VERL_FILE_LOGGER_PATH")
+            kept = Path(path).read_bytes() if path and os.path.isfile(path) else b""
+            original(self, *args, **kwargs)
+            self.fp.write(kept)
+
+        return __init__
+
+    wrap_once(tracking.FileLogger, "__init__", "__verl_sat_keeps_rows__", make)
+
+
+when_imported("verl.utils.tracking", keep_metrics_on_resume)  # in verl's TaskRunner, before its logger
 
 
 # ---------------------------------------------------------------------------------------------

@@ -206,11 +206,12 @@ def progress_line(row: dict[str, Any]) -> str:
 
 
 class ProgressPrinter(threading.Thread):
-    """Tails metrics.jsonl (written by verl's trainer in its Ray actor) and prints a line a step."""
+    """Tails metrics.jsonl (written by verl's trainer in its Ray actor) and prints a line a step
+    (from the rows after those a resumed run keeps)."""
 
     def __init__(self, path: Path, interval: float = 1.0, eps_high: float = 0.2, out: TextIO | None = None) -> None:
         super().__init__(daemon=True)
-        self.path, self.interval, self.printed, self.out = path, interval, 0, out
+        self.path, self.interval, self.printed, self.out = path, interval, len(read_metrics(path)), out
         self.eps_high, self.warned = eps_high, False
         self.stopped = threading.Event()
 
