@@ -140,6 +140,13 @@ def buffer_settings(cfg: DictConfig, refill_fn: Callable[[int], Any]) -> dict[st
     }
 
 
+def lag_cell(lag: int) -> DictConfig:
+    """The SAT-GSPO + R3 cell at ``lag`` with the lag's v1 keys derived (``apply_lag``, their one source)."""
+    cfg = recipes.compose_cell("sat_gspo_r3", lag)
+    apply_lag(cfg, lag)
+    return cfg
+
+
 def run_schedule(cfg: DictConfig, monkeypatch: pytest.MonkeyPatch, steps: int = 8, mini: int = 4) -> dict[str, Any]:
     """verl's separate_async sampling loop (trainer_base.step / _step_once) over ``steps`` global steps.
 
@@ -175,7 +182,7 @@ def run_schedule(cfg: DictConfig, monkeypatch: pytest.MonkeyPatch, steps: int = 
 
 @pytest.mark.parametrize("lag", recipes.LAGS)
 def test_recipe_cell_drops_nothing_in_verls_replay_buffer(lag: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    cfg = recipes.compose_cell("sat_gspo_r3", lag)
+    cfg = lag_cell(lag)
     result = run_schedule(cfg, monkeypatch)
     assert result["evicted"] == 0
     assert result["max_span"] <= cfg.trainer.v1.sampler.max_off_policy_threshold  # staleness still bounded
@@ -186,7 +193,7 @@ def test_recipe_cell_drops_nothing_in_verls_replay_buffer(lag: int, monkeypatch:
 @pytest.mark.parametrize("lag", recipes.LAGS)
 def test_drop_strategy_evicts_the_long_groups(lag: int, monkeypatch: pytest.MonkeyPatch) -> None:
     # the same run with verl's default: the simulation does see drops when there are some
-    cfg = recipes.compose_cell("sat_gspo_r3", lag)
+    cfg = lag_cell(lag)
     with open_dict(cfg):
         cfg.trainer.v1.sampler.max_off_policy_strategy = "drop"
     assert run_schedule(cfg, monkeypatch)["evicted"] > 0
@@ -406,7 +413,7 @@ def issued_before_last_step(run: TQRun, steps: int = REAL_STEPS) -> set[str]:
 
 @pytest.mark.parametrize("lag", recipes.LAGS)
 def test_real_transfer_queue_waits_where_drop_evicts(lag: int, real_tq: ModuleType) -> None:
-    cfg = recipes.compose_cell("sat_gspo_r3", lag)
+    cfg = lag_cell(lag)
     threshold = cfg.trainer.v1.sampler.max_off_policy_threshold
 
     run = run_schedule_on_tq(cfg, real_tq)  # the cell's "wait"
