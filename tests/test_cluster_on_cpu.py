@@ -27,8 +27,10 @@ from omegaconf import DictConfig, OmegaConf
 from ray_nodes import LocalCluster
 from test_main_e2e import check_sat_run, run_main
 
-from verl_sat.cluster.nodes import Node
-from verl_sat.cluster.preflight import check_layout, check_same_versions, pool_bundles
+from verl_sat.preflight.checks import check_layout, check_same_versions
+from verl_sat.preflight.cluster import Node
+from verl_sat.preflight.estimates import pool_bundles
+from verl_sat.preflight.facts import Facts
 
 OTHER_BRIDGE = "0.0.1+other"
 
@@ -63,7 +65,7 @@ def node_ids(address: str) -> tuple[str, str]:
     """(head, node B) ids of the cluster, from a short driver connection."""
     import ray
 
-    from verl_sat.cluster.nodes import alive_nodes
+    from verl_sat.preflight.cluster import alive_nodes
 
     ray.init(address=address, log_to_driver=False, logging_level="ERROR")
     try:
@@ -81,7 +83,7 @@ def test_cluster_preflight_names_the_node_with_another_version_and_without_the_r
     cmd = [
         sys.executable,
         "-m",
-        "verl_sat.cluster.preflight",
+        "verl_sat.preflight",
         f"--address={local.address}",
         f"--run-dir={run_dir}",
         "--json",
@@ -94,9 +96,11 @@ def test_cluster_preflight_names_the_node_with_another_version_and_without_the_r
     assert [f["key"] for f in versions] == ["megatron-bridge"], versions
     assert f"megatron-bridge {OTHER_BRIDGE} on node {other[:12]}" in versions[0]["message"]
     assert f"on node {head[:12]}" in versions[0]["message"]  # both nodes named
+    # the driver wrote the run and checkpoint directories; node B, without the shared file system, lacks both
     shared = [f for f in report["findings"] if f["check"] == "cluster_shared_dir"]
-    assert shared and all(f"not seen on node {other[:12]}" in f["message"] for f in shared), shared
-    assert str(run_dir) in shared[0]["message"]
+    assert [f["key"] for f in shared] == ["sat.run_dir", "trainer.default_local_dir"], shared
+    assert shared[0]["message"].startswith(f"sat.run_dir: {run_dir} does not exist on node {other[:12]}")
+    assert all(f"does not exist on node {other[:12]}" in f["message"] for f in shared), shared
     assert not [f for f in report["findings"] if f["check"] == "cluster_layout"]  # the default job fits
     assert report["nodes"][1]["versions"]["megatron-bridge"] == OTHER_BRIDGE
 
@@ -195,7 +199,7 @@ def test_layout_fits_as_verl_places_its_pools():
 
 def test_versions_that_differ_name_both_nodes():
     a, b = fake_node("a" * 16, 8, head=True), fake_node("b" * 16, 8)
-    facts = {a: {"versions": {"torch": "2.11.0"}}, b: {"versions": {"torch": "2.10.0"}}}
+    facts = {a: Facts(versions={"torch": "2.11.0"}), b: Facts(versions={"torch": "2.10.0"})}
     [finding] = check_same_versions(facts)
     assert finding.key == "torch" and "2.10.0 on node bbbbbbbbbbbb" in finding.message
     assert "2.11.0 on node aaaaaaaaaaaa" in finding.message

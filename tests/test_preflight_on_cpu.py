@@ -20,10 +20,10 @@ import pyarrow.parquet as pq
 import pytest
 from omegaconf import DictConfig, OmegaConf
 
-from verl_sat import preflight
-from verl_sat.preflight import GPU, Facts, Finding, ModelFacts
-from verl_sat.preflight import facts as preflight_facts
-from verl_sat.preflight.facts import snapshot_bytes, step_writeback_fields, warmup_prompts
+from verl_sat.preflight import checks, cli, estimates
+from verl_sat.preflight import facts as node_facts
+from verl_sat.preflight.estimates import snapshot_bytes, step_writeback_fields, warmup_prompts
+from verl_sat.preflight.facts import GPU, Facts, Finding, ModelFacts
 
 REPO = Path(__file__).resolve().parents[1]
 H200 = 141 * 10**9
@@ -38,7 +38,7 @@ GOOD_SCHEMA = {"data_source": (), "prompt": (), "ability": (), "reward_model": (
 def cell(tmp_path_factory: pytest.TempPathFactory) -> DictConfig:
     """sat_gspo_r3 at lag 8 (R3, separate_async, NCCL), resolved as run.sh launches it."""
     run_dir = tmp_path_factory.mktemp("runs") / "sat_gspo_r3-lag8"
-    return preflight.resolve_cell(
+    return cli.resolve_cell(
         "sat_gspo_r3", 8, ["data.train_files=/d/train.parquet", "data.val_files=/d/aime24.parquet"], str(run_dir)
     )
 
@@ -50,7 +50,7 @@ def cfg(cell: DictConfig) -> DictConfig:
 
 def good_facts(cfg: DictConfig) -> Facts:
     """A node on which the paper's cell launches: 8 idle H200s, the pinned packages, enough RAM/disk."""
-    files = preflight.as_list(cfg.data.train_files) + preflight.as_list(cfg.data.val_files)
+    files = estimates.as_list(cfg.data.train_files) + estimates.as_list(cfg.data.val_files)
     return Facts(
         gpus=tuple(GPU(i, "NVIDIA H200", H200, H200 - 10**9) for i in range(8)),
         cuda_runtime="12.8",
@@ -64,10 +64,9 @@ def good_facts(cfg: DictConfig) -> Facts:
             "transformers": "5.9.0",
             "torch": "2.11.0",
         },
-        sglang_pin="0.5.12",
-        megatron_pins={"megatron-bridge": "0.5.2"},
-        import_errors={module: None for module in preflight.PROBED_MODULES},
-        sglang_server_args=frozenset({"model_path", "mem_fraction_static", preflight.ROUTED_EXPERTS_ARG}),
+        extra_pins={"sglang": {"sglang": "0.5.12"}, "megatron": {"megatron-bridge": "0.5.2"}},
+        import_errors={module: None for module in node_facts.PROBED_MODULES},
+        sglang_server_args=frozenset({"model_path", "mem_fraction_static", node_facts.ROUTED_EXPERTS_ARG}),
         checkpoint_engines=frozenset({"naive", "nccl"}),
         cupy_distributions=("cupy-cuda12x",),
         host_mem_available_bytes=1500 * 10**9,
@@ -99,7 +98,7 @@ def test_the_resolved_cell_is_what_run_sh_launches(cell: DictConfig) -> None:
 
 
 def test_a_correct_node_passes_every_check(cfg: DictConfig) -> None:
-    findings = preflight.run_checks(cfg, good_facts(cfg))
+    findings = checks.run_checks(cfg, good_facts(cfg))
     assert findings == [], [f.line() for f in findings]
 
 
@@ -220,30 +219,30 @@ def seed_broken_reward(cfg, facts):
 
 
 SEEDED = [
-    (seed_too_few_gpus, preflight.check_gpu_count, "trainer.n_gpus_per_node"),
-    (seed_bad_expert_parallel, preflight.check_parallel_layout, "megatron.expert_model_parallel_size"),
-    (seed_rollout_replica_not_dividing, preflight.check_parallel_layout, "rollout.tensor_model_parallel_size"),
-    (seed_busy_gpu, preflight.check_gpu_memory, "rollout.gpu_memory_utilization"),
-    (seed_optimizer_on_gpu, preflight.check_gpu_memory, "override_optimizer_config.optimizer_cpu_offload"),
-    (seed_wrong_verl, preflight.check_versions, "verl==0.9.1"),
-    (seed_wrong_sglang, preflight.check_versions, "sglang==0.5.12"),
-    (seed_sglang_without_routed_experts, preflight.check_routing_replay, "rollout.enable_rollout_routing_replay"),
-    (seed_no_nccl_engine, preflight.check_checkpoint_engine, "checkpoint_engine.backend=nccl"),
-    (seed_cupy_for_other_cuda, preflight.check_checkpoint_engine, "cupy-cuda11x"),
-    (seed_r3_padded, preflight.check_routing_replay, "actor_rollout_ref.model.use_remove_padding"),
-    (seed_no_megatron_bridge, preflight.check_megatron, "megatron-bridge"),
-    (seed_no_mbridge_when_vanilla, preflight.check_megatron, "vanilla_mbridge=true"),
-    (seed_python_311, preflight.check_megatron, "Python 3.12"),
-    (seed_bridge_built_for_other_transformers, preflight.check_megatron, "transformers<5.9.0"),
-    (seed_use_mbridge_off, preflight.check_megatron, "megatron.use_mbridge"),
-    (seed_full_32k_response, preflight.check_context_length, "data.max_response_length"),
-    (seed_post_trained_max_model_len, preflight.check_context_length, "rollout.max_model_len"),
-    (seed_small_host, preflight.check_host_memory, "optimizer_offload_fraction"),
-    (seed_host_without_room_for_routes, preflight.check_host_memory, "R3's routes"),
-    (seed_small_disk, preflight.check_disk, "trainer.max_actor_ckpt_to_keep"),
-    (seed_data_without_ground_truth, preflight.check_data, "reward_model.ground_truth"),
-    (seed_missing_val_file, preflight.check_data, "data.val_files"),
-    (seed_broken_reward, preflight.check_reward_function, "reward.custom_reward_function.path"),
+    (seed_too_few_gpus, checks.check_gpu_count, "trainer.n_gpus_per_node"),
+    (seed_bad_expert_parallel, checks.check_parallel_layout, "megatron.expert_model_parallel_size"),
+    (seed_rollout_replica_not_dividing, checks.check_parallel_layout, "rollout.tensor_model_parallel_size"),
+    (seed_busy_gpu, checks.check_gpu_memory, "rollout.gpu_memory_utilization"),
+    (seed_optimizer_on_gpu, checks.check_gpu_memory, "override_optimizer_config.optimizer_cpu_offload"),
+    (seed_wrong_verl, checks.check_versions, "verl==0.9.1"),
+    (seed_wrong_sglang, checks.check_versions, "sglang==0.5.12"),
+    (seed_sglang_without_routed_experts, checks.check_routing_replay, "rollout.enable_rollout_routing_replay"),
+    (seed_no_nccl_engine, checks.check_checkpoint_engine, "checkpoint_engine.backend=nccl"),
+    (seed_cupy_for_other_cuda, checks.check_checkpoint_engine, "cupy-cuda11x"),
+    (seed_r3_padded, checks.check_routing_replay, "actor_rollout_ref.model.use_remove_padding"),
+    (seed_no_megatron_bridge, checks.check_megatron, "megatron-bridge"),
+    (seed_no_mbridge_when_vanilla, checks.check_megatron, "vanilla_mbridge=true"),
+    (seed_python_311, checks.check_megatron, "Python 3.12"),
+    (seed_bridge_built_for_other_transformers, checks.check_megatron, "transformers<5.9.0"),
+    (seed_use_mbridge_off, checks.check_megatron, "megatron.use_mbridge"),
+    (seed_full_32k_response, checks.check_context_length, "data.max_response_length"),
+    (seed_post_trained_max_model_len, checks.check_context_length, "rollout.max_model_len"),
+    (seed_small_host, checks.check_host_memory, "optimizer_offload_fraction"),
+    (seed_host_without_room_for_routes, checks.check_host_memory, "R3's routes"),
+    (seed_small_disk, checks.check_disk, "trainer.max_actor_ckpt_to_keep"),
+    (seed_data_without_ground_truth, checks.check_data, "reward_model.ground_truth"),
+    (seed_missing_val_file, checks.check_data, "data.val_files"),
+    (seed_broken_reward, checks.check_reward_function, "reward.custom_reward_function.path"),
 ]
 
 
@@ -256,35 +255,35 @@ def test_each_check_catches_its_seeded_misconfiguration(cfg: DictConfig, seed, c
     assert named in found[0].message or named in found[0].key
     assert "\n" not in found[0].line()
     # and the whole preflight reports it
-    assert found[0] in preflight.run_checks(cfg, facts)
+    assert found[0] in checks.run_checks(cfg, facts)
 
 
-WARN_ONLY = {preflight.check_end_of_turn}  # never fails; its warning has a test of its own below
+WARN_ONLY = {checks.check_end_of_turn}  # never fails; its warning has a test of its own below
 
 
 def test_every_check_has_a_seeded_misconfiguration() -> None:
-    assert {check for _, check, _ in SEEDED} | WARN_ONLY == set(preflight.CHECKS)
+    assert {check for _, check, _ in SEEDED} | WARN_ONLY == set(checks.CHECKS)
 
 
 # ---------------------------------------------------------------------------------------------
 # details of the checks
 # ---------------------------------------------------------------------------------------------
 def test_r3_off_needs_no_routed_experts(tmp_path: Path) -> None:
-    cfg = preflight.resolve_cell("sat_gspo", 1, run_dir=str(tmp_path))
+    cfg = cli.resolve_cell("sat_gspo", 1, run_dir=str(tmp_path))
     facts = replace(good_facts(cfg), sglang_server_args=frozenset({"model_path"}))
-    assert preflight.check_routing_replay(cfg, facts) == []
-    assert preflight.run_checks(cfg, facts) == []
+    assert checks.check_routing_replay(cfg, facts) == []
+    assert checks.run_checks(cfg, facts) == []
 
 
 def test_a_longer_context_by_override_config_passes(cfg: DictConfig) -> None:
     cfg, facts = seed_full_32k_response(cfg, good_facts(cfg))
     set_key(cfg, "actor_rollout_ref.model.override_config", {"max_position_embeddings": 65536})
-    assert preflight.check_context_length(cfg, facts) == []
+    assert checks.check_context_length(cfg, facts) == []
 
 
 def test_the_short_context_fix_names_the_largest_response(cfg: DictConfig) -> None:
     cfg, facts = seed_full_32k_response(cfg, good_facts(cfg))
-    (finding,) = preflight.check_context_length(cfg, facts)
+    (finding,) = checks.check_context_length(cfg, facts)
     # verl's SGLang server: max_new_tokens <= max_model_len - len(prompt) - 1 = 32768 - 2047 - 1
     assert "lower data.max_response_length to 30720" in finding.message
 
@@ -293,12 +292,12 @@ def test_the_cell_fills_the_base_models_context_exactly(cfg: DictConfig) -> None
     assert BASE_CONFIG["max_position_embeddings"] == 32768 and BASE_CONFIG["rope_scaling"] is None
     assert cfg.data.max_prompt_length + cfg.data.max_response_length + 1 == 32768
     set_key(cfg, "data.max_response_length", cfg.data.max_response_length + 1)  # one token more fails
-    assert failures(cfg, good_facts(cfg), preflight.check_context_length)
+    assert failures(cfg, good_facts(cfg), checks.check_context_length)
 
 
 def test_a_model_not_on_this_node_fails_naming_the_download(cfg: DictConfig) -> None:
     facts = replace(good_facts(cfg), model=ModelFacts())
-    findings = preflight.run_checks(cfg, facts)
+    findings = checks.run_checks(cfg, facts)
     (context,) = [f for f in findings if f.level == "fail"]
     assert context.check == "context_length" and context.key == "actor_rollout_ref.model.path"
     assert "download it first" in context.message and "MODEL_PATH=DIR" in context.message
@@ -313,12 +312,12 @@ def test_r3_cells_run_packed_and_r3_off_may_pad(cfg: DictConfig, tmp_path: Path)
     # every R3 cell: tests/test_recipes.py; here the preflight's view of one, and of a cell without R3
     assert cfg.actor_rollout_ref.model.use_remove_padding is True
     assert cfg.actor_rollout_ref.actor.megatron.use_remove_padding is True
-    assert preflight.check_r3_padding(cfg) == []
+    assert checks.check_r3_padding(cfg) == []
     set_key(cfg, "actor_rollout_ref.actor.megatron.use_remove_padding", False)
-    assert [f.key for f in preflight.check_r3_padding(cfg)] == ["actor_rollout_ref.actor.megatron.use_remove_padding"]
-    plain = preflight.resolve_cell("sat_gspo", 1, run_dir=str(tmp_path))
+    assert [f.key for f in checks.check_r3_padding(cfg)] == ["actor_rollout_ref.actor.megatron.use_remove_padding"]
+    plain = cli.resolve_cell("sat_gspo", 1, run_dir=str(tmp_path))
     set_key(plain, "actor_rollout_ref.model.use_remove_padding", False)
-    assert preflight.check_r3_padding(plain) == []
+    assert checks.check_r3_padding(plain) == []
 
 
 @pytest.mark.gpu_branch
@@ -326,16 +325,16 @@ def test_the_bridge_is_the_one_verl_imports(cfg: DictConfig) -> None:
     # verl 0.9.1's defaults: use_mbridge=true, vanilla_mbridge=false -> megatron.bridge
     assert cfg.actor_rollout_ref.actor.megatron.use_mbridge is True
     assert cfg.actor_rollout_ref.actor.megatron.vanilla_mbridge is False
-    assert preflight.bridge_module(cfg) == "megatron.bridge"
+    assert estimates.bridge_module(cfg) == "megatron.bridge"
     # with megatron.bridge importable, a missing mbridge is no failure (verl does not import it)
     facts = replace(good_facts(cfg), import_errors={**good_facts(cfg).import_errors, "mbridge": "missing"})
-    assert failures(cfg, facts, preflight.check_megatron) == []
-    assert preflight.bridge_module(set_key(cfg, "actor_rollout_ref.actor.megatron.vanilla_mbridge", True)) == "mbridge"
+    assert failures(cfg, facts, checks.check_megatron) == []
+    assert estimates.bridge_module(set_key(cfg, "actor_rollout_ref.actor.megatron.vanilla_mbridge", True)) == "mbridge"
 
 
 def test_a_bridge_other_than_verls_pin_is_named(cfg: DictConfig) -> None:
     facts = replace(good_facts(cfg), versions={**good_facts(cfg).versions, "megatron-bridge": "0.6.0"})
-    (finding,) = preflight.check_megatron(cfg, facts)
+    (finding,) = checks.check_megatron(cfg, facts)
     assert finding.level == "warn" and "megatron-bridge 0.6.0" in finding.message
     assert "megatron-bridge==0.5.2" in finding.message
 
@@ -343,7 +342,7 @@ def test_a_bridge_other_than_verls_pin_is_named(cfg: DictConfig) -> None:
 def test_host_estimate_includes_rollout_buffer_and_routes(cfg: DictConfig) -> None:
     # lag 8: 2048 prompts a global step + the warm-up verl issues ahead of it, 0.125 × 2048 = 256
     # (verl fetches them one prompt at a time in the async modes: gen_batch_size 1)
-    assert preflight.buffered_prompts(cfg) == 2048 + 256
+    assert estimates.buffered_prompts(cfg) == 2048 + 256
     samples = (2048 + 256) * 16
     prompt, response = 2047, 30720
     layers, top_k = BASE_CONFIG["num_hidden_layers"], BASE_CONFIG["num_experts_per_tok"]
@@ -351,7 +350,7 @@ def test_host_estimate_includes_rollout_buffer_and_routes(cfg: DictConfig) -> No
     # int64 input_ids, prompts + responses, position_ids; int64 response_mask, loss_mask and fp32
     # rollout_log_probs, rm_scores over the response
     per_sample = (prompt + response) * 3 * 8 + response * (2 * 8 + 2 * 4) + routes_per_sample
-    buffer = preflight.rollout_buffer_bytes(cfg, BASE_CONFIG)
+    buffer = estimates.rollout_buffer_bytes(cfg, BASE_CONFIG)
     assert buffer == {
         "samples": samples,
         "per_sample": per_sample,
@@ -362,68 +361,68 @@ def test_host_estimate_includes_rollout_buffer_and_routes(cfg: DictConfig) -> No
     # R3 off: no routes
     plain = copy.deepcopy(cfg)
     set_key(plain, "actor_rollout_ref.rollout.enable_rollout_routing_replay", False)
-    assert preflight.rollout_buffer_bytes(plain, BASE_CONFIG)["routes"] == 0
+    assert estimates.rollout_buffer_bytes(plain, BASE_CONFIG)["routes"] == 0
     # a gen_batch_size set by hand changes nothing: verl's _init_dataloader overrides it to 1
     set_key(plain, "data.gen_batch_size", 2048)
-    assert preflight.buffered_prompts(plain) == 2048 + 256
+    assert estimates.buffered_prompts(plain) == 2048 + 256
 
 
 def test_host_check_counts_optimizer_plus_buffer(cfg: DictConfig) -> None:
     params = QWEN3_30B_BYTES // 2
-    need = preflight.host_optimizer_bytes(cfg, params) + preflight.rollout_buffer_bytes(cfg, BASE_CONFIG)["total"]
-    assert failures(cfg, replace(good_facts(cfg), host_mem_available_bytes=need), preflight.check_host_memory) == []
-    (short,) = failures(cfg, replace(good_facts(cfg), host_mem_available_bytes=need - 1), preflight.check_host_memory)
+    need = estimates.host_optimizer_bytes(cfg, params) + estimates.rollout_buffer_bytes(cfg, BASE_CONFIG)["total"]
+    assert failures(cfg, replace(good_facts(cfg), host_mem_available_bytes=need), checks.check_host_memory) == []
+    (short,) = failures(cfg, replace(good_facts(cfg), host_mem_available_bytes=need - 1), checks.check_host_memory)
     assert "rollout buffer 36864 samples" in short.message and short.key == "data.max_response_length"
     assert "data.train_batch_size + 256 warm-up prompts" in short.message
 
 
 def test_host_estimate_follows_the_formula(cfg: DictConfig) -> None:
     params = 30 * 10**9
-    assert preflight.host_optimizer_bytes(cfg, params) == params * 16  # fp32 master, m, v, grad
+    assert estimates.host_optimizer_bytes(cfg, params) == params * 16  # fp32 master, m, v, grad
     set_key(cfg, "actor_rollout_ref.actor.optim.override_optimizer_config.optimizer_offload_fraction", 0.5)
     set_key(cfg, "actor_rollout_ref.actor.optim.exp_avg_sq_dtype", "bf16")
-    assert preflight.host_optimizer_bytes(cfg, params) == params * 0.5 * 14
+    assert estimates.host_optimizer_bytes(cfg, params) == params * 0.5 * 14
 
 
 def test_no_offload_counts_only_the_rollout_buffer(cfg: DictConfig) -> None:
     set_key(cfg, "actor_rollout_ref.actor.optim.override_optimizer_config.optimizer_cpu_offload", False)
-    buffer = preflight.rollout_buffer_bytes(cfg, BASE_CONFIG)["total"]
-    assert preflight.check_host_memory(cfg, replace(good_facts(cfg), host_mem_available_bytes=buffer)) == []
-    (short,) = preflight.check_host_memory(cfg, replace(good_facts(cfg), host_mem_available_bytes=buffer - 1))
+    buffer = estimates.rollout_buffer_bytes(cfg, BASE_CONFIG)["total"]
+    assert checks.check_host_memory(cfg, replace(good_facts(cfg), host_mem_available_bytes=buffer)) == []
+    (short,) = checks.check_host_memory(cfg, replace(good_facts(cfg), host_mem_available_bytes=buffer - 1))
     assert "offloaded optimizer" not in short.message and "rollout buffer" in short.message
 
 
 def test_disk_estimate_counts_the_kept_snapshots(cfg: DictConfig) -> None:
     params = QWEN3_30B_BYTES // 2
-    actor = preflight.checkpoint_bytes(cfg, params)
+    actor = estimates.checkpoint_bytes(cfg, params)
     snapshot = snapshot_bytes(cfg, BASE_CONFIG)
     # what TransferQueue holds at the save: the step's batch (cleared after the save) + the warm-up
     # window, at full length with R3's routes, and what the step wrote back onto its batch
     assert snapshot["samples"] == (2048 + 256) * 16
-    assert snapshot["buffer"] == preflight.rollout_buffer_bytes(cfg, BASE_CONFIG)["total"]
+    assert snapshot["buffer"] == estimates.rollout_buffer_bytes(cfg, BASE_CONFIG)["total"]
     fields = step_writeback_fields(cfg)  # bypass on (no entropy, no IS weights), KL loss on
     assert fields == ("old_log_probs", "ref_log_prob", "advantages", "returns")
     assert snapshot["writeback"] == 2048 * 16 * 30720 * 4 * len(fields)
     assert snapshot["total"] == snapshot["buffer"] + snapshot["writeback"]
     assert round(snapshot["total"] / 10**12, 2) == 1.00  # about 1 TB a save at lag 8 with R3
-    kept = preflight.kept_checkpoints(cfg)
+    kept = estimates.kept_checkpoints(cfg)
     assert kept == 2
     # the actor checkpoints alone (the estimate before snapshots were counted) no longer pass
-    (short,) = failures(cfg, replace(good_facts(cfg), disk_free_bytes=kept * actor), preflight.check_disk)
+    (short,) = failures(cfg, replace(good_facts(cfg), disk_free_bytes=kept * actor), checks.check_disk)
     assert "TransferQueue snapshot: 36864 samples" in short.message and short.key == "trainer.max_actor_ckpt_to_keep"
     need = kept * (actor + snapshot["total"])
-    assert failures(cfg, replace(good_facts(cfg), disk_free_bytes=need), preflight.check_disk) == []
-    assert failures(cfg, replace(good_facts(cfg), disk_free_bytes=need - 1), preflight.check_disk)
+    assert failures(cfg, replace(good_facts(cfg), disk_free_bytes=need), checks.check_disk) == []
+    assert failures(cfg, replace(good_facts(cfg), disk_free_bytes=need - 1), checks.check_disk)
     # sync saves no snapshot: the actor checkpoints are all
     set_key(cfg, "trainer.v1.trainer_mode", "sat_sync")
     assert snapshot_bytes(cfg, BASE_CONFIG)["total"] == 0
-    assert failures(cfg, replace(good_facts(cfg), disk_free_bytes=kept * actor), preflight.check_disk) == []
+    assert failures(cfg, replace(good_facts(cfg), disk_free_bytes=kept * actor), checks.check_disk) == []
 
 
 def test_disk_warns_when_the_snapshots_routes_are_unknown(cfg: DictConfig) -> None:
     config = {k: v for k, v in BASE_CONFIG.items() if k != "num_experts_per_tok"}
     facts = replace(good_facts(cfg), model=replace(good_facts(cfg).model, config=config))
-    (warning,) = preflight.check_disk(cfg, facts)
+    (warning,) = checks.check_disk(cfg, facts)
     assert warning.level == "warn" and "TransferQueue snapshots not estimated" in warning.message
 
 
@@ -434,7 +433,7 @@ def verl_dataloader_stand_in(cfg: DictConfig, monkeypatch: pytest.MonkeyPatch) -
 
     monkeypatch.setattr(trainer_base, "create_rl_dataset", lambda *args, **kwargs: list(range(4096)))
     monkeypatch.setattr(trainer_base, "create_rl_sampler", lambda *args, **kwargs: None)
-    mode = preflight_facts.base_mode(cfg)
+    mode = estimates.base_mode(cfg)
     trainer = object.__new__(trainer_base.get_trainer_cls(mode))
     trainer.config = copy.deepcopy(cfg)
     trainer.trainer_mode, trainer.tokenizer, trainer.processor = mode, None, None
@@ -445,13 +444,13 @@ def verl_dataloader_stand_in(cfg: DictConfig, monkeypatch: pytest.MonkeyPatch) -
 
 @pytest.mark.parametrize(("lag", "mode"), [(1, None), (8, None), (1, "sat_sync")], ids=["lag1", "lag8", "sync"])
 def test_the_warm_up_is_verls_own_count(lag: int, mode: str | None, tmp_path: Path, monkeypatch) -> None:
-    cfg = preflight.resolve_cell("sat_gspo_r3", lag, run_dir=str(tmp_path))
+    cfg = cli.resolve_cell("sat_gspo_r3", lag, run_dir=str(tmp_path))
     if mode is not None:
         set_key(cfg, "trainer.v1.trainer_mode", mode)
     trainer = verl_dataloader_stand_in(cfg, monkeypatch)
     # the gen_batch_size verl's trainer runs with (1 in the async modes, whatever the config says),
     # as its dataloader fetches and as its later reads see it (unset: data.train_batch_size)
-    gen = preflight_facts.verl_gen_batch_size(cfg)
+    gen = estimates.verl_gen_batch_size(cfg)
     assert trainer.train_dataloader.batch_size == gen == (1 if mode is None else 256)
     assert (trainer.config.data.get("gen_batch_size") or trainer.config.data.train_batch_size) == gen
     # verl's on_train_begin on that trainer issues what the estimate counts
@@ -462,7 +461,7 @@ def test_the_warm_up_is_verls_own_count(lag: int, mode: str | None, tmp_path: Pa
     assert sum(issued) == warmup_prompts(cfg)
     # the paper's intent: one 256-prompt optimizer batch in flight ahead of the trainer, at both lags
     assert warmup_prompts(cfg) == (0 if mode == "sat_sync" else 256)
-    assert preflight.buffered_prompts(cfg) == 256 * lag + warmup_prompts(cfg)
+    assert estimates.buffered_prompts(cfg) == 256 * lag + warmup_prompts(cfg)
 
 
 def test_sat_trainers_leave_the_warm_up_to_verl() -> None:
@@ -476,27 +475,27 @@ def test_routing_replay_names_the_sglang_whose_routes_format_it_knows(cfg: DictC
     from verl_sat.verl_fixes import SGLANG_ROUTES_FORMAT_VERSIONS
 
     assert SGLANG_ROUTES_FORMAT_VERSIONS == ("0.5.12",)  # the release verl 0.9.1 pins, read in its source
-    assert preflight.check_routing_replay(cfg, good_facts(cfg)) == []
+    assert checks.check_routing_replay(cfg, good_facts(cfg)) == []
     facts = good_facts(cfg)
     facts = replace(facts, versions={**facts.versions, "sglang": "0.5.13"})
-    (warn,) = preflight.check_routing_replay(cfg, facts)
+    (warn,) = checks.check_routing_replay(cfg, facts)
     assert warn.level == "warn" and warn.key == "actor_rollout_ref.rollout.enable_rollout_routing_replay"
     assert "format of sglang 0.5.12" in warn.message and "sglang 0.5.13 is installed" in warn.message
     # another engine: SGLang's routes are never decoded, nothing to say
     set_key(cfg, "actor_rollout_ref.rollout.name", "vllm")
-    assert preflight.check_routing_replay(cfg, facts) == []
+    assert checks.check_routing_replay(cfg, facts) == []
 
 
 def test_unset_keep_counts_every_checkpoint(cfg: DictConfig) -> None:
-    assert preflight.kept_checkpoints(cfg) == 2
+    assert estimates.kept_checkpoints(cfg) == 2
     set_key(cfg, "trainer.max_actor_ckpt_to_keep", None)
-    assert preflight.kept_checkpoints(cfg) == 14  # 68 global steps, a save every 5
+    assert estimates.kept_checkpoints(cfg) == 14  # 68 global steps, a save every 5
 
 
 def test_unknown_weights_warn_instead_of_passing_silently(cfg: DictConfig) -> None:
     # config.json present, weights not (as in the fixture directory): context checked, sizes not
     facts = replace(good_facts(cfg), model=replace(good_facts(cfg).model, weight_bytes=None))
-    findings = preflight.run_checks(cfg, facts)
+    findings = checks.run_checks(cfg, facts)
     assert {f.check for f in findings} == {"host_memory", "disk"}
     assert all(f.level == "warn" for f in findings)
 
@@ -504,30 +503,50 @@ def test_unknown_weights_warn_instead_of_passing_silently(cfg: DictConfig) -> No
 # ---------------------------------------------------------------------------------------------
 # the probe's pieces that need no GPU
 # ---------------------------------------------------------------------------------------------
-def test_sglang_pin_is_the_one_installed_verl_declares() -> None:
-    _, pin, _ = preflight.probe_versions()
-    assert pin == preflight.SGLANG_FOR_VERL
+def test_pins_are_the_ones_installed_verl_declares() -> None:
+    _, pins, _ = node_facts.probe_packages()  # verl's own METADATA, its extras' == pins
+    assert pins["sglang"]["sglang"] == node_facts.SGLANG_FOR_VERL
+    assert pins["megatron"]["megatron-bridge"] == node_facts.MEGATRON_BRIDGE_FOR_VERL
 
 
-def test_megatron_bridge_pin_is_the_one_installed_verl_declares() -> None:
-    assert preflight.probe_megatron_pins()["megatron-bridge"] == preflight.MEGATRON_BRIDGE_FOR_VERL
+def install_metadata(site: Path, name: str, version: str, requires: list[str]) -> None:
+    """A distribution's metadata only (a dist-info directory), as pip leaves it."""
+    info = site / f"{name.replace('-', '_')}-{version}.dist-info"
+    info.mkdir(parents=True)
+    lines = ["Metadata-Version: 2.1", f"Name: {name}", f"Version: {version}"]
+    (info / "METADATA").write_text("\n".join(lines + [f"Requires-Dist: {r}" for r in requires]) + "\n")
 
 
-def test_unmet_requirements_name_the_mismatch() -> None:
-    # megatron-bridge 0.5.1's METADATA against verl's sglang extra (transformers==5.9.0)
-    requires = [
-        "transformers<5.9.0,>=5.8.1",
-        "megatron-core[dev,mlm]",
-        "torch>=2.6.0",
-        'transformer-engine[core_cu13,pytorch]; extra == "te"',
-        "einops",
-    ]
-    installed = {"transformers": "5.9.0", "megatron-core": "0.17.0", "torch": "2.11.0", "transformer-engine": "1.0"}
-    watched = ("transformers", "megatron-core", "torch", "transformer-engine")
-    assert preflight.unmet_requirements(requires, installed, watched) == (
-        "transformers<5.9.0,>=5.8.1 (5.9.0 installed)",
+def test_unmet_requirements_are_read_as_pip_check_reads_them(cfg: DictConfig, tmp_path: Path, monkeypatch) -> None:
+    """megatron-bridge 0.5.1's and SGLang 0.5.12's declared requirements (from their wheels'
+    METADATA) next to this environment's real transformers and torch: importlib.metadata reads
+    them, markers are evaluated (an extra's requirement is not the base install's), and each pin the
+    installed version misses is recorded, naming both versions; the bridge's fails the check."""
+    from importlib import metadata
+
+    transformers = metadata.version("transformers")
+    install_metadata(
+        tmp_path,
+        "megatron-bridge",
+        "0.5.1",
+        [
+            f"transformers<{transformers},>=5.8.1",
+            "megatron-core[dev,mlm]",
+            "torch>=2.6.0",
+            'transformer-engine[core_cu13,pytorch]; extra == "te"',
+            "einops",
+            'torch<1; python_version < "3.0"',
+        ],
     )
-    assert preflight.unmet_requirements(requires, {**installed, "transformers": "5.8.1"}, watched) == ()
+    install_metadata(tmp_path, "sglang", "0.5.12", ["transformers==5.6.0", "flashinfer_python==0.6.11.post1"])
+    monkeypatch.syspath_prepend(str(tmp_path))
+    versions, _, conflicts = node_facts.probe_packages()
+    assert versions["megatron-bridge"] == "0.5.1" and versions["sglang"] == "0.5.12"
+    assert conflicts["megatron-bridge"] == (f"transformers<{transformers},>=5.8.1 ({transformers} installed)",)
+    assert conflicts["sglang"] == (f"transformers==5.6.0 ({transformers} installed)",)  # flashinfer: not installed
+    facts = replace(good_facts(cfg), versions={**good_facts(cfg).versions, **versions}, requirement_conflicts=conflicts)
+    found = failures(cfg, facts, checks.check_megatron)
+    assert [f.key for f in found] == ["megatron-bridge"] and f"({transformers} installed)" in found[0].message
 
 
 def test_probe_data_reads_columns_from_the_schema(tmp_path: Path) -> None:
@@ -539,11 +558,11 @@ def test_probe_data_reads_columns_from_the_schema(tmp_path: Path) -> None:
         good,
     )
     pq.write_table(pa.table({"question": ["q"]}), bad)
-    schemas = preflight.probe_data([str(good), str(bad), str(absent)])
+    schemas = node_facts.probe_data([str(good), str(bad), str(absent)])
     assert schemas[str(good)]["reward_model"] == ("ground_truth", "style")
     assert schemas[str(absent)] == "file not found"
     cfg = OmegaConf.create({"data": {"train_files": [str(good), str(bad)], "val_files": str(absent)}})
-    found = preflight.check_data(cfg, Facts(data_schemas=schemas))
+    found = checks.check_data(cfg, Facts(data_schemas=schemas))
     assert [f.key for f in found] == ["data.train_files", "data.val_files"]
     assert str(bad) in found[0].message and "prompt" in found[0].message
 
@@ -552,34 +571,34 @@ def test_probe_reward_loads_as_verl_does(tmp_path: Path) -> None:
     module = tmp_path / "reward.py"
     module.write_text("def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n    return 1.0\n")
     ok = OmegaConf.create({"reward": {"custom_reward_function": {"path": str(module), "name": "compute_score"}}})
-    assert preflight.probe_reward(ok) is None
+    assert node_facts.probe_reward(ok) is None
     wrong = OmegaConf.create({"reward": {"custom_reward_function": {"path": str(module), "name": "score"}}})
-    assert "score" in preflight.probe_reward(wrong)
+    assert "score" in node_facts.probe_reward(wrong)
     default = OmegaConf.create({"reward": {"custom_reward_function": {"path": None, "name": "compute_score"}}})
-    assert preflight.probe_reward(default) is None
+    assert node_facts.probe_reward(default) is None
 
 
 def test_probe_model_reads_the_base_models_config_dir() -> None:
-    model = preflight.probe_model(str(BASE_MODEL_DIR))
+    model = node_facts.probe_model(str(BASE_MODEL_DIR))
     assert model.config["max_position_embeddings"] == 32768 and model.weight_bytes is None
 
 
 def test_probe_model_reads_a_local_dir_without_downloading(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text(json.dumps({"max_position_embeddings": 4096, "torch_dtype": "bfloat16"}))
     (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": 2000}}))
-    model = preflight.probe_model(str(tmp_path))
+    model = node_facts.probe_model(str(tmp_path))
     assert (model.config["max_position_embeddings"], model.weight_bytes) == (4096, 2000)
-    assert preflight.param_count(Facts(model=model)) == 1000
-    assert preflight.probe_model("no-such-org/no-such-model-xyz") == ModelFacts()
+    assert checks.param_count(model) == 1000
+    assert node_facts.probe_model("no-such-org/no-such-model-xyz") == ModelFacts()
 
 
 def test_probe_on_this_cpu_node(cfg: DictConfig) -> None:
-    facts = preflight.probe(cfg)
+    facts = node_facts.gather(cfg)
     assert facts.versions["verl"] == "0.9.1"
     assert "naive" in facts.checkpoint_engines
     assert facts.host_mem_available_bytes and facts.disk_free_bytes
     if not facts.gpus:  # a CPU node cannot host the paper's layout, and the preflight says so
-        assert failures(cfg, facts, preflight.check_gpu_count)
+        assert failures(cfg, facts, checks.check_gpu_count)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -587,15 +606,15 @@ def test_probe_on_this_cpu_node(cfg: DictConfig) -> None:
 # ---------------------------------------------------------------------------------------------
 def test_main_exit_code_summary_and_json(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     args = ["sat_gspo_r3", "8", "--run-dir", str(tmp_path), "data.train_files=/d/t.parquet"]
-    assert preflight.main(args, probe_fn=good_facts) == 0
+    assert cli.main(args, gather_fn=good_facts) == 0
     assert "passed: 0 failure(s)" in capsys.readouterr().out
     # a misconfiguration passed as a Hydra override, as run.sh forwards "$@"
     bad = args + ["actor_rollout_ref.rollout.tensor_model_parallel_size=3"]
-    assert preflight.main(bad, probe_fn=good_facts) == 1
+    assert cli.main(bad, gather_fn=good_facts) == 1
     out = capsys.readouterr().out.splitlines()
     assert out[-1].startswith("[preflight] FAILED: 1 failure(s)")
     assert "actor_rollout_ref.rollout.tensor_model_parallel_size" in out[0]
-    assert preflight.main([*bad, "--json"], probe_fn=good_facts) == 1
+    assert cli.main([*bad, "--json"], gather_fn=good_facts) == 1
     report = json.loads(capsys.readouterr().out)
     assert report["ok"] is False and report["findings"][0]["check"] == "parallel_layout"
     assert report["facts"]["sglang_server_args"] is True
@@ -603,11 +622,11 @@ def test_main_exit_code_summary_and_json(capsys: pytest.CaptureFixture[str], tmp
 
 def test_main_leaves_hydras_flags_to_hydra(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     args = ["sat_gspo_r3", "8", "--cfg", "job", "--run-dir", str(tmp_path), "data.train_files=/d/t.parquet"]
-    assert preflight.main([*args, "--resolve", "--info", "defaults"], probe_fn=good_facts) == 0
+    assert cli.main([*args, "--resolve", "--info", "defaults"], gather_fn=good_facts) == 0
     captured = capsys.readouterr()
     assert "passed: 0 failure(s)" in captured.out
     assert "left to Hydra: --cfg job --resolve --info defaults" in captured.err
-    assert preflight.split_hydra_flags(["m", "1", "-c", "hydra", "a=b", "-m"]) == (
+    assert cli.split_hydra_flags(["m", "1", "-c", "hydra", "a=b", "-m"]) == (
         ["m", "1", "a=b"],
         ["-c", "hydra", "-m"],
     )
@@ -619,10 +638,10 @@ def test_done_when_the_preflight_on_the_base_models_config_dir(
     # The issue's command, model path = a directory holding the Base model's config.json: the
     # model is probed for real (probe_model), the node's other facts are the good node's.
     def probe_fn(cfg: DictConfig) -> Facts:
-        return replace(good_facts(cfg), model=preflight.probe_model(cfg.actor_rollout_ref.model.path))
+        return replace(good_facts(cfg), model=node_facts.probe_model(cfg.actor_rollout_ref.model.path))
 
     args = ["sat_gspo_r3", "8", f"actor_rollout_ref.model.path={BASE_MODEL_DIR}", "--json", "--cfg", "job"]
-    assert preflight.main([*args, "--run-dir", str(tmp_path)], probe_fn=probe_fn) == 0
+    assert cli.main([*args, "--run-dir", str(tmp_path)], gather_fn=probe_fn) == 0
     report = json.loads(capsys.readouterr().out)
     assert not [f for f in report["findings"] if f["check"] == "context_length"], report["findings"]
     assert report["facts"]["model"]["config"]["max_position_embeddings"] == 32768
@@ -672,23 +691,14 @@ def test_run_sh_skips_the_preflight_when_hydra_only_prints(tmp_path: Path, flag:
 
 
 def test_module_imports_nothing_heavy() -> None:
-    modules = sorted(Path(preflight.__file__).parent.glob("*.py"))
-    assert {m.name for m in modules} >= {
-        "__init__.py",
-        "__main__.py",
-        "facts.py",
-        "checks.py",
-        "probe.py",
-        "cli.py",
-        "stages.py",
-        "gpu_env.py",
-    }
+    modules = sorted(Path(checks.__file__).parent.glob("*.py"))
+    assert {m.name for m in modules} >= {"__init__.py", "__main__.py", "facts.py", "estimates.py", "checks.py"}
     top: set[str] = set()
     for module in modules:
         tree = ast.parse(module.read_text())
         top |= {alias.name.split(".")[0] for node in tree.body if isinstance(node, ast.Import) for alias in node.names}
         top |= {
-            node.module.split(".")[0]
+            node.module.split(".")[0] if not node.module.startswith("verl_sat.") else node.module
             for node in tree.body
             if isinstance(node, ast.ImportFrom) and node.module and not node.module.startswith("verl_sat.preflight.")
         }
@@ -705,37 +715,87 @@ def test_module_imports_nothing_heavy() -> None:
         "sys",
         "threading",
         "time",
+        "uuid",
         "collections",
         "dataclasses",
         "pathlib",
         "typing",
         "omegaconf",
+        "verl_sat.default.assets",
     }, top
 
 
 # ---------------------------------------------------------------------------------------------
 # the probes' GPU branches (docs/gpu_path.md)
 # ---------------------------------------------------------------------------------------------
+class FakeNVML:
+    """libnvidia-ml.so's C calls as an 8 × H200 node answers them, under pynvml's own Python
+    bindings (pynvml builds the real ctypes structures and decodes the strings)."""
+
+    def __init__(self) -> None:
+        self.handles: dict[int, int] = {}
+
+    def __getattr__(self, name: str):
+        def call(*args):
+            getattr(self, "_" + name.removesuffix("_v2"))(*args)
+            return 0  # NVML_SUCCESS
+
+        return call
+
+    def _nvmlInitWithFlags(self, flags) -> None: ...
+
+    def _nvmlShutdown(self) -> None: ...
+
+    def _nvmlSystemGetCudaDriverVersion(self, ref) -> None:
+        ref._obj.value = 12080
+
+    def _nvmlDeviceGetCount(self, ref) -> None:
+        ref._obj.value = 8
+
+    def _nvmlDeviceGetHandleByIndex(self, index, ref) -> None:
+        self.handles[id(ref._obj)] = index.value
+
+    def _nvmlDeviceGetUUID(self, handle, buffer, size) -> None:
+        buffer.value = f"GPU-{self.handles[id(handle)]:04d}-aaaa".encode()
+
+    def _nvmlDeviceGetName(self, handle, buffer, size) -> None:
+        buffer.value = b"NVIDIA H200"
+
+    def _nvmlDeviceGetMemoryInfo(self, handle, ref) -> None:
+        ref._obj.total, ref._obj.free = H200, H200 - 10**9 - self.handles[id(handle)]
+
+
 @pytest.mark.gpu_branch
-def test_probe_gpus_reads_each_device_as_torch_cuda_reports_it(cfg: DictConfig, monkeypatch) -> None:
-    """The CUDA branch of ``probe_gpus``, on a torch.cuda answering as an 8-GPU H200 node does
-    (``mem_get_info`` returns ``(free, total)``); the checks then pass on what it read."""
-    import importlib
+def test_probe_gpus_reads_each_device_as_nvml_reports_it(cfg: DictConfig, monkeypatch) -> None:
+    """The GPU branch of ``probe_gpus`` through pynvml's real bindings over a stand-in of NVML's
+    C library; ``CUDA_VISIBLE_DEVICES`` (ordinals or UUID prefixes) is parsed by torch's own code.
+    The checks then pass on what it read."""
+    import pynvml
 
-    import torch
-
-    probe_module = importlib.import_module("verl_sat.preflight.probe")  # the package exports probe()
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
-    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda i: (H200 - 10**9 - i, H200))
-    monkeypatch.setattr(torch.cuda, "get_device_name", lambda i: "NVIDIA H200")
-    monkeypatch.setattr(torch.version, "cuda", "12.8")
-    gpus, cuda = probe_module.probe_gpus()
-    assert cuda == "12.8" and [g.index for g in gpus] == list(range(8))
+    monkeypatch.setattr(pynvml, "nvmlLib", FakeNVML())
+    monkeypatch.setattr(pynvml, "_nvmlGetFunctionPointer_cache", {})
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    gpus, cuda, error = node_facts.probe_gpus()
+    assert (cuda, error) == ("12.8", None) and [g.index for g in gpus] == list(range(8))
     assert gpus[3] == GPU(3, "NVIDIA H200", H200, H200 - 10**9 - 3)
     facts = replace(good_facts(cfg), gpus=gpus)
-    assert failures(cfg, facts, preflight.check_gpu_count) == []
-    assert failures(cfg, facts, preflight.check_gpu_memory) == []
+    assert failures(cfg, facts, checks.check_gpu_count) == []
+    assert failures(cfg, facts, checks.check_gpu_memory) == []
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "5,2,9,1")  # the first invalid ordinal ends the list
+    gpus, _, _ = node_facts.probe_gpus()
+    assert [(g.index, g.free_bytes) for g in gpus] == [(0, H200 - 10**9 - 5), (1, H200 - 10**9 - 2)]
+    assert failures(cfg, replace(facts, gpus=gpus), checks.check_gpu_count)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "GPU-0006")
+    assert [g.free_bytes for g in node_facts.probe_gpus()[0]] == [H200 - 10**9 - 6]
+
+
+def test_a_node_without_an_nvidia_driver_has_no_gpu_and_says_why(cfg: DictConfig) -> None:
+    """This CPU machine, for real: pynvml's nvmlInit finds no driver (NVMLError), so no GPU, and
+    the GPU-count failure names the reason."""
+    gpus, cuda, error = node_facts.probe_gpus()
+    assert (gpus, cuda) == ((), None) and error.startswith("no NVIDIA driver (NVML: ")
+    (short,) = failures(cfg, replace(good_facts(cfg), gpus=gpus, gpu_error=error), checks.check_gpu_count)
+    assert "0 visible" in short.message and "no NVIDIA driver" in short.message
 
 
 NCCL_ENGINE = """
@@ -743,7 +803,7 @@ import json, sys, types
 cupy = types.ModuleType("cupy")
 cupy.ndarray = type("ndarray", (), {})  # the one cupy name nccl_checkpoint_engine reads at import
 sys.modules["cupy"] = cupy
-from verl_sat.preflight.probe import probe_checkpoint_engines
+from verl_sat.preflight.facts import probe_checkpoint_engines
 from verl.checkpoint_engine import CheckpointEngineRegistry
 engines, errors = probe_checkpoint_engines()
 print(json.dumps([sorted(engines), errors, CheckpointEngineRegistry.get("nccl").__name__]))
@@ -763,7 +823,7 @@ def test_sglang_yamls_weight_sync_backend_is_the_name_verls_nccl_engine_register
     assert sglang.actor_rollout_ref.rollout.checkpoint_engine.backend == "nccl" and "nccl" in engines
     assert cfg.actor_rollout_ref.rollout.checkpoint_engine.backend == "nccl"
     facts = replace(good_facts(cfg), checkpoint_engines=frozenset(engines), checkpoint_engine_errors=errors)
-    assert preflight.check_checkpoint_engine(cfg, facts) == []
+    assert checks.check_checkpoint_engine(cfg, facts) == []
 
 
 def test_a_chat_template_ending_turns_on_a_token_generation_does_not_stop_at_is_warned(tmp_path: Path) -> None:
@@ -777,15 +837,15 @@ def test_a_chat_template_ending_turns_on_a_token_generation_does_not_stop_at_is_
     tokenizer.save_pretrained(tmp_path)
     text_end, turn_end = tokenizer.convert_tokens_to_ids(["<|endoftext|>", "<|im_end|>"])
     (tmp_path / "config.json").write_text(json.dumps({**BASE_CONFIG, "eos_token_id": text_end}))
-    model = preflight.probe_model(str(tmp_path))
+    model = node_facts.probe_model(str(tmp_path))
     assert model.end_of_turn == ("<|im_end|>", turn_end) and model.stop_ids == (text_end,)
-    (finding,) = preflight.check_end_of_turn(OmegaConf.create({}), Facts(model=model))
+    (finding,) = checks.check_end_of_turn(OmegaConf.create({}), Facts(model=model))
     assert finding.level == "warn" and finding.key == "actor_rollout_ref.model.path"
     assert f"<|im_end|> (id {turn_end})" in finding.message
     assert f'"eos_token_id": {sorted([text_end, turn_end])} in {tmp_path}/generation_config.json' in finding.message
     (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": sorted([text_end, turn_end])}))
-    fixed = preflight.probe_model(str(tmp_path))
+    fixed = node_facts.probe_model(str(tmp_path))
     assert fixed.stop_ids == tuple(sorted([text_end, turn_end]))
-    assert preflight.check_end_of_turn(OmegaConf.create({}), Facts(model=fixed)) == []
+    assert checks.check_end_of_turn(OmegaConf.create({}), Facts(model=fixed)) == []
     # no tokenizer beside the config (the fixture's Base config alone): nothing to check, no finding
-    assert preflight.probe_model(str(BASE_MODEL_DIR)).end_of_turn is None
+    assert node_facts.probe_model(str(BASE_MODEL_DIR)).end_of_turn is None

@@ -21,9 +21,12 @@ import pytest
 from omegaconf import DictConfig, OmegaConf
 
 from verl_sat.default import smoke
-from verl_sat.preflight import gpu_env, stages
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "recipes/sat_paper"))  # the smoke's scripts, run by path
+import gpu_env  # noqa: E402
+import stages  # noqa: E402
+
 SCRIPT = REPO / "recipes/sat_paper/smoke_1gpu.sh"
 STAGES = ["env", "no_offload", "offload", "resume", "check"]
 OFFLOAD_OFF = "actor_rollout_ref.actor.optim.override_optimizer_config.optimizer_cpu_offload=false"
@@ -63,7 +66,7 @@ def test_stages_in_order(commands: tuple[Path, list[list[str]]]) -> None:
     assert len(lines) == len(STAGES)
     env, no_offload, offload, resume, check = lines
     # env: the probe, for the bridge verl imports (vanilla_mbridge=false: Megatron-Bridge)
-    assert env[1].endswith("verl_sat/preflight/gpu_env.py")
+    assert env[1].endswith("recipes/sat_paper/gpu_env.py")
     assert env[env.index("--gpu") + 1] == "0" and env[env.index("--bridge") + 1] == "megatron.bridge"
     assert env[env.index("--slots-file") + 1] == str(tmp / "run" / "gpu_slots.sh")
     # no_offload: its own run directory, one global step, optimizer on the GPU, no checkpoint
@@ -160,7 +163,7 @@ def test_the_slots_compose_into_the_runtime_env(
 # the stage runner and the environment probe
 # ---------------------------------------------------------------------------------------------
 def run_stage_cli(summary: Path, name: str, *command: str, timeout: float = 0) -> subprocess.CompletedProcess:
-    runner = REPO / "verl_sat/preflight/stages.py"  # by path, as the script runs it
+    runner = REPO / "recipes/sat_paper/stages.py"  # by path, as the script runs it
     cli = [sys.executable, str(runner), "--summary", str(summary), "--name", name, "--tail", "3"]
     cli += ["--timeout", str(timeout), "--", *command]
     return subprocess.run(cli, capture_output=True, text=True, timeout=120)
@@ -234,7 +237,7 @@ case "$1" in
     *stages.py) exec "{python}" "$@" ;;
     *gpu_env.py)
         while [[ $# -gt 0 ]]; do [[ $1 == --slots-file ]] && slots=$2; shift; done
-        "{python}" -c "import sys; sys.path.insert(0, '{repo}'); from verl_sat.preflight import gpu_env; \
+        "{python}" -c "import sys; sys.path.insert(0, '{repo}/recipes/sat_paper'); import gpu_env; \
 open('$slots', 'w').write(gpu_env.slots_file('runtime_env', '0'))"
         echo "probe ok" ;;
     -m)

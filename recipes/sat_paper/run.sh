@@ -36,20 +36,17 @@ PATHS=(
 export VERL_FILE_LOGGER_PATH=${RUN_DIR}/metrics.jsonl
 export CUDA_DEVICE_MAX_CONNECTIONS=1
 PRINT_ONLY=
-# Joining a Ray cluster started beforehand (docs/cluster.md): the cluster preflight, on every node.
-PREFLIGHT=verl_sat.preflight
-[[ -z ${RAY_ADDRESS:-} ]] || PREFLIGHT=verl_sat.cluster.preflight
 for arg in "$@"; do
     case "${arg}" in
         --cfg | --cfg=* | -c | --info | --info=* | -i | --help | -h | --hydra-help) PRINT_ONLY=1 ;;
-        ray_kwargs.ray_init.address=* | +ray_kwargs.ray_init.address=*) PREFLIGHT=verl_sat.cluster.preflight ;;
     esac
 done
 [[ -n ${DRY_RUN:-}${PRINT_ONLY} ]] || mkdir -p "${RUN_DIR}"
 
-# GPUs, packages, context length, memory, disk, data and reward against this cell (seconds); on a
-# cluster: GPUs, memory, disk, versions and the shared run directory on every node, and the layout.
-[[ -n ${SAT_SKIP_PREFLIGHT:-}${PRINT_ONLY} ]] || ${DRY_RUN:+echo} "${PYTHON}" -m "${PREFLIGHT}" \
+# GPUs, packages, context length, memory, disk, data and reward against this cell (seconds); joining
+# a cluster (ray_kwargs.ray_init.address= or RAY_ADDRESS, docs/cluster.md): GPUs, memory, disk,
+# versions and the paths on every node, and verl's pools on the nodes.
+[[ -n ${SAT_SKIP_PREFLIGHT:-}${PRINT_ONLY} ]] || ${DRY_RUN:+echo} "${PYTHON}" -m verl_sat.preflight \
     "${METHOD}" "${LAG}" --run-dir "${RUN_DIR}" "${PATHS[@]}" "$@"
 
 ${DRY_RUN:+echo} "${PYTHON}" -m verl_sat.main \

@@ -10,12 +10,12 @@
 #
 # Stages, each printing "[smoke] PASS|FAIL <stage> (<s> s)" and recorded in
 # ${RUN_DIR}/smoke_summary.json (logs in ${RUN_DIR}/stages/); the first failure stops the script
-# and repeats its command's last lines (verl_sat/preflight/stages.py). Each stage has a timeout
+# and repeats its command's last lines (recipes/sat_paper/stages.py). Each stage has a timeout
 # (TIMEOUT_<STAGE> seconds, defaults below); one that runs out is ended with its process group
 # and prints "[smoke] FAIL <stage> (timeout after N s)":
 #   env         torch.cuda.device_count() in the launches' driver environment, two Ray GPU slots
 #               on the one GPU as each Ray worker parses them, imports of sglang, megatron-core,
-#               the bridge verl imports and TransformerEngine (verl_sat/preflight/gpu_env.py)
+#               the bridge verl imports and TransformerEngine (recipes/sat_paper/gpu_env.py)
 #   assets      the tiny model and task (once per ASSETS_DIR)
 #   no_offload  1 global step with the optimizer on the GPU (${RUN_DIR}/no_offload)
 #   offload     2 global steps with the recipe's CPU-offloaded optimizer, a checkpoint after each
@@ -61,7 +61,7 @@ stage() {
     if [[ -n ${DRY_RUN:-} ]]; then
         echo "${@:2}"
     else
-        "${PYTHON}" "${REPO_ROOT}/verl_sat/preflight/stages.py" --summary "${SUMMARY}" --name "$1" \
+        "${PYTHON}" "${REPO_ROOT}/recipes/sat_paper/stages.py" --summary "${SUMMARY}" --name "$1" \
             --timeout "${!limit_var}" -- "${@:2}" || exit 1
     fi
 }
@@ -113,7 +113,7 @@ launch() {
 
 # The driver sees every GPU; the Ray workers see GPU ${GPU} only (SLOT_OVERRIDES' runtime env).
 unset CUDA_VISIBLE_DEVICES
-stage env "${PYTHON}" "${REPO_ROOT}/verl_sat/preflight/gpu_env.py" --gpu "${GPU}" --bridge "${BRIDGE}" \
+stage env "${PYTHON}" "${REPO_ROOT}/recipes/sat_paper/gpu_env.py" --gpu "${GPU}" --bridge "${BRIDGE}" \
     --slots-file "${RUN_DIR}/gpu_slots.sh" --json "${RUN_DIR}/gpu_env.json"
 # shellcheck source=/dev/null
 [[ -n ${DRY_RUN:-} ]] || source "${RUN_DIR}/gpu_slots.sh"

@@ -1,4 +1,4 @@
-"""``python -m verl_sat.preflight <method> <lag> [--run-dir DIR] [--json] [overrides...]``: see ``cli``."""
+"""``python -m verl_sat.preflight [<method> <lag>] [overrides...]``: see ``cli``."""
 
 import sys
 

@@ -4,23 +4,16 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from omegaconf import DictConfig
 
-from verl_sat.preflight.facts import (
-    BRIDGES,
+from verl_sat.preflight.cluster import Node, Unseen
+from verl_sat.preflight.estimates import (
     MEGATRON,
-    MEGATRON_BRIDGE_FOR_VERL,
-    MEGATRON_BRIDGE_PYTHON,
     OPTIM,
     ROLLOUT,
-    ROUTED_EXPERTS_ARG,
-    SGLANG_FOR_VERL,
-    VERL_VERSION,
-    Facts,
-    Finding,
     adam_bytes_per_param,
     as_list,
     bridge_module,
@@ -33,7 +26,7 @@ from verl_sat.preflight.facts import (
     kept_checkpoints,
     megatron_layout,
     optimizer_offload_fraction,
-    param_count,
+    pool_bundles,
     rollout_buffer_bytes,
     rollout_pool_gpus,
     rollout_replica_gpus,
@@ -43,6 +36,26 @@ from verl_sat.preflight.facts import (
     uses_r3,
     warmup_prompts,
 )
+from verl_sat.preflight.facts import (
+    BRIDGES,
+    MEGATRON_BRIDGE_FOR_VERL,
+    MEGATRON_BRIDGE_PYTHON,
+    ROUTED_EXPERTS_ARG,
+    SGLANG_FOR_VERL,
+    STACK,
+    VERL_VERSION,
+    Facts,
+    Finding,
+    ModelFacts,
+)
+
+
+def param_count(model: ModelFacts) -> int | None:
+    """Parameters of the model: checkpoint bytes / bytes of its ``torch_dtype`` (None: unknown)."""
+    if model.weight_bytes is None:
+        return None
+    config = model.config or {}
+    return model.weight_bytes // dtype_bytes(config.get("torch_dtype") or config.get("dtype"))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -63,7 +76,8 @@ def check_gpu_count(cfg: DictConfig, facts: Facts) -> list[Finding]:
                 "gpu_count",
                 "trainer.n_gpus_per_node",
                 f"{layout} needs {need} GPUs on this node, {have} visible (CUDA_VISIBLE_DEVICES="
-                f"{os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}); run on a node with {need} GPUs or lower "
+                f"{os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}"
+                f"{f'; {facts.gpu_error}' if facts.gpu_error else ''}); run on a node with {need} GPUs or lower "
                 "trainer.n_gpus_per_node / actor_rollout_ref.rollout.n_gpus_per_node",
             )
         )
@@ -151,7 +165,7 @@ def check_gpu_memory(cfg: DictConfig, facts: Facts) -> list[Finding]:
                 f"stop the processes holding them or lower {ROLLOUT}.gpu_memory_utilization",
             )
         )
-    params = param_count(facts)
+    params = param_count(facts.model)
     if params is None:
         return out
     smallest = min(g.total_bytes for g in facts.gpus)
@@ -199,7 +213,7 @@ def check_versions(cfg: DictConfig, facts: Facts) -> list[Finding]:
             )
         )
     if str(get(cfg, f"{ROLLOUT}.name", "")) == "sglang":
-        want = facts.sglang_pin or SGLANG_FOR_VERL
+        want = facts.pin("sglang", "sglang", SGLANG_FOR_VERL)
         have = facts.versions.get("sglang")
         if have != want:
             out.append(
@@ -248,7 +262,7 @@ def check_routing_replay(cfg: DictConfig, facts: Facts) -> list[Finding]:
                 "routing_replay",
                 f"{ROLLOUT}.enable_rollout_routing_replay",
                 f"R3 needs SGLang's ServerArgs, but sglang.srt.server_args does not import ({error}); install "
-                f"sglang=={facts.sglang_pin or SGLANG_FOR_VERL} or turn R3 off (stabilizer=none)",
+                f"sglang=={facts.pin('sglang', 'sglang', SGLANG_FOR_VERL)} or turn R3 off (stabilizer=none)",
             )
         ]
     if ROUTED_EXPERTS_ARG not in facts.sglang_server_args:
@@ -257,7 +271,7 @@ def check_routing_replay(cfg: DictConfig, facts: Facts) -> list[Finding]:
                 "routing_replay",
                 f"{ROLLOUT}.enable_rollout_routing_replay",
                 f"R3 is on but this SGLang's ServerArgs has no '{ROUTED_EXPERTS_ARG}' (the server cannot return "
-                f"routed experts); install sglang=={facts.sglang_pin or SGLANG_FOR_VERL} or turn R3 off",
+                f"routed experts); install sglang=={facts.pin('sglang', 'sglang', SGLANG_FOR_VERL)} or turn R3 off",
             )
         ]
     return padding + check_routes_format(facts)
@@ -375,7 +389,7 @@ def bridge_findings(cfg: DictConfig, facts: Facts) -> list[Finding]:
                 f"(from {module} import AutoBridge): install {package} ({MEGATRON_INSTALL})",
             )
         )
-    pin = facts.megatron_pins.get(package) or (MEGATRON_BRIDGE_FOR_VERL if package == "megatron-bridge" else None)
+    pin = facts.pin("megatron", package, MEGATRON_BRIDGE_FOR_VERL if package == "megatron-bridge" else None)
     have = facts.versions.get(package)
     if pin and have and have != pin:
         out.append(
@@ -538,7 +552,7 @@ def check_host_memory(cfg: DictConfig, facts: Facts) -> list[Finding]:
     rollout buffer at its largest, R3's routes included (``rollout_buffer_bytes``)."""
     if facts.host_mem_available_bytes is None:
         return []
-    params = param_count(facts)
+    params = param_count(facts.model)
     fraction = optimizer_offload_fraction(cfg)
     buffer = rollout_buffer_bytes(cfg, facts.model.config)
     out = []
@@ -586,7 +600,7 @@ def check_disk(cfg: DictConfig, facts: Facts) -> list[Finding]:
     """Free disk at ``trainer.default_local_dir`` >= kept checkpoints × (``checkpoint_bytes`` + the
     TransferQueue snapshot verl saves with each in the async modes, ``snapshot_bytes``); verl-sat
     prunes a snapshot with its actor checkpoint, so as many are kept (``trainer.faults.prune_snapshots``)."""
-    params = param_count(facts)
+    params = param_count(facts.model)
     kept = kept_checkpoints(cfg)
     if facts.disk_free_bytes is None or kept == 0:
         return []
@@ -697,3 +711,111 @@ CHECKS: tuple[Callable[[DictConfig, Facts], list[Finding]], ...] = (
 def run_checks(cfg: DictConfig, facts: Facts) -> list[Finding]:
     """Every check of ``CHECKS`` on one resolved config and one node's facts."""
     return [finding for check in CHECKS for finding in check(cfg, facts)]
+
+
+# ---------------------------------------------------------------------------------------------
+# on a cluster (docs/cluster.md): each node's own resources, and what the nodes must share
+# ---------------------------------------------------------------------------------------------
+# The checks that read only one node's resources; on a cluster they run on each node's facts.
+NODE_CHECKS = (check_gpu_memory, check_host_memory, check_disk)
+
+
+def check_each_node(cfg: DictConfig, facts: dict[Node, Facts]) -> list[Finding]:
+    """``NODE_CHECKS`` on each node's facts (GPU memory on GPU runs only), the line naming the node."""
+    checks = NODE_CHECKS if str(get(cfg, "trainer.device", "cuda")) != "cpu" else NODE_CHECKS[1:]
+    return [
+        Finding(f.check, f.key, f"node {node.name}: {f.message}", f.level)
+        for node, node_facts in facts.items()
+        for check in checks
+        for f in check(cfg, node_facts)
+    ]
+
+
+def check_same_versions(facts: dict[Node, Facts]) -> list[Finding]:
+    """Every distribution of the stack at the first node's version on every other node."""
+    nodes = list(facts)
+    out = []
+    for name in STACK:
+        want = facts[nodes[0]].versions.get(name) if nodes else None
+        for node in nodes[1:]:
+            have = facts[node].versions.get(name)
+            if have != want:
+                out.append(
+                    Finding(
+                        "cluster_versions",
+                        name,
+                        f"{name} {have or 'not installed'} on node {node.name}, but {want or 'not installed'} "
+                        f"on node {nodes[0].name}: install the same {name} on every node",
+                    )
+                )
+    return out
+
+
+def check_gpu_slots(cfg: DictConfig, facts: dict[Node, Facts]) -> list[Finding]:
+    """On a GPU run, each raylet's ``GPU`` slots are the GPUs NVML reports there (verl places a
+    worker per slot; a raylet started with another --num-gpus misplaces or starves them)."""
+    if str(get(cfg, "trainer.device", "cuda")) == "cpu":
+        return []
+    return [
+        Finding(
+            "cluster_gpus",
+            "trainer.n_gpus_per_node",
+            f"node {node.name}: its raylet declares {node.gpus} GPU slots but NVML reports {len(found.gpus)} "
+            f"GPUs{f' ({found.gpu_error})' if found.gpu_error else ''} (CUDA_VISIBLE_DEVICES at `ray start`; "
+            "start it with --num-gpus)",
+        )
+        for node, found in facts.items()
+        if node.gpus != len(found.gpus)
+    ]
+
+
+def place(groups: Sequence[tuple[str, int, int]], nodes: Sequence[Node]) -> dict[int, Node] | None:
+    """First-fit decreasing of the groups on the nodes' GPU and CPU slots (each group on one node,
+    as verl's placement groups are); group index -> node, or None when they do not fit."""
+    free = {node: [node.gpus, node.cpus] for node in nodes}
+    placed: dict[int, Node] = {}
+    for i in sorted(range(len(groups)), key=lambda i: -groups[i][1]):
+        _, gpus, cpus = groups[i]
+        target = next((n for n in nodes if free[n][0] >= gpus and free[n][1] >= cpus), None)
+        if target is None:
+            return None
+        free[target][0] -= gpus
+        free[target][1] -= cpus
+        placed[i] = target
+    return placed
+
+
+def check_layout(cfg: DictConfig, nodes: Sequence[Node]) -> list[Finding]:
+    """The trainer and rollout pools fit the nodes' GPU (and CPU) slots as verl places them."""
+    groups = pool_bundles(cfg)
+    if place(groups, nodes) is not None:
+        return []
+    need = ", ".join(f"{pool} {g} GPU + {c} CPU" for pool, g, c in groups)
+    have = ", ".join(f"{n.name}: {n.gpus} GPU, {n.cpus} CPU" for n in nodes)
+    key = "trainer.nnodes" if len(groups) > len(nodes) else "trainer.n_gpus_per_node"
+    return [
+        Finding(
+            "cluster_layout",
+            key,
+            f"verl places one group per node of each pool ({need}); they do not fit the cluster's "
+            f"{len(nodes)} node(s) ({have}): change trainer.nnodes / trainer.n_gpus_per_node / "
+            f"{ROLLOUT}.nnodes / {ROLLOUT}.n_gpus_per_node, or add nodes",
+        )
+    ]
+
+
+def check_shared_paths(unseen: Sequence[Unseen]) -> list[Finding]:
+    """Each path a node does not see (``verl_sat.preflight.cluster.paths_on_nodes``)."""
+    return [Finding("cluster_shared_dir", u.key, u.line()) for u in unseen]
+
+
+def run_cluster_checks(cfg: DictConfig, facts: dict[Node, Facts], unseen: Sequence[Unseen] = ()) -> list[Finding]:
+    """Every cluster check on the nodes' facts and the paths they do not see."""
+    nodes = list(facts)
+    return (
+        check_each_node(cfg, facts)
+        + check_same_versions(facts)
+        + check_gpu_slots(cfg, facts)
+        + check_layout(cfg, nodes)
+        + check_shared_paths(unseen)
+    )

@@ -1,5 +1,17 @@
-"""The preflight's command line (docs/reproduce.md): resolve the cell as run.sh launches it, probe the
-node, run the checks, print the findings (or JSON); exit code 1 when any check fails."""
+"""The preflight's command line (docs/reproduce.md, docs/cluster.md)::
+
+    python -m verl_sat.preflight [<method> <lag>] [overrides...] [--run-dir DIR] [--json]
+                                 [--config-name NAME] [--address ADDR]
+
+resolves the run as the launch does (a cell of the paper's grid, else ``--config-name`` composed
+with the overrides), gathers the facts (``verl_sat.preflight.facts.gather``) and runs the checks.
+Without a cluster, on this node: every check of ``CHECKS``. On a Ray cluster started beforehand
+(``--address``, ``ray_kwargs.ray_init.address`` or ``RAY_ADDRESS``): ``gather`` runs as a Ray task
+pinned to each node, then ``run_cluster_checks`` (each node's memory and disk, the same versions on
+every node, GPU slots, verl's pools on the nodes, the paths every node must see). One line per
+finding and a verdict; the exit code is 1 when any check fails. Hydra's own flags among the
+overrides (``--cfg job``, ...) are left to Hydra with a note.
+"""
 
 from __future__ import annotations
 
@@ -8,21 +20,39 @@ import json
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import asdict
+from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-from verl_sat.preflight.checks import CHECKS, run_checks
-from verl_sat.preflight.facts import ROUTED_EXPERTS_ARG, Facts, Finding
-from verl_sat.preflight.probe import probe
+from verl_sat.preflight.checks import CHECKS, run_checks, run_cluster_checks
+from verl_sat.preflight.cluster import Node, alive_nodes, cluster_address, on_each_node, paths_on_nodes
+from verl_sat.preflight.estimates import get
+from verl_sat.preflight.facts import ROUTED_EXPERTS_ARG, Facts, Finding, gather
+
+# Hydra's own command-line flags (hydra/_internal/utils.py's get_args_parser) that take a value;
+# the others (--resolve, --multirun, --run, --hydra-help, --version, --info [WHAT]) take none or an
+# optional one. The preflight checks the run those overrides compose to; Hydra's flags are Hydra's.
+HYDRA_FLAGS_WITH_VALUE = frozenset(
+    {"--cfg", "-c", "--package", "-p", "--config-path", "-cp", "-cn", "--config-dir", "-cd"}
+)
+HYDRA_INFO_VALUES = frozenset({"all", "config", "defaults", "defaults-tree", "plugins", "searchpath"})
+OWN_FLAGS = frozenset({"--json", "-h", "--help"})
+OWN_FLAGS_WITH_VALUE = frozenset({"--run-dir", "--address", "--config-name"})
 
 
 # ---------------------------------------------------------------------------------------------
-# the config, as run.sh launches it
+# the config, as the launch resolves it
 # ---------------------------------------------------------------------------------------------
-def resolve_cell(method: str, lag: int, overrides: Sequence[str] = (), run_dir: str | None = None) -> DictConfig:
-    """The cell's config as ``verl_sat.main`` hands it to verl: composed by ``verl_sat.paper.grid``,
-    ``sat.*`` mapped by ``verl_sat.trainer.recipe`` (Megatron's betas, lag, actor, routing replay), then resolved."""
-    from verl_sat.paper.grid import compose_cell
+def resolve(
+    method: str | None = None,
+    lag: int | None = None,
+    overrides: Sequence[str] = (),
+    run_dir: str | None = None,
+    config_name: str = "sat_gspo_cpu",
+) -> DictConfig:
+    """The config as ``verl_sat.main`` hands it to verl: the grid's cell (``verl_sat.paper.grid``)
+    or ``config_name`` composed with ``overrides``, ``sat.*`` mapped by ``verl_sat.trainer.recipe``
+    (Megatron's betas, lag, actor, routing replay), then resolved."""
     from verl_sat.trainer.recipe import (
         SATRecipeConfig,
         apply_actor,
@@ -32,56 +62,65 @@ def resolve_cell(method: str, lag: int, overrides: Sequence[str] = (), run_dir: 
     )
 
     extra = ([f"sat.run_dir={run_dir}"] if run_dir else []) + list(overrides)
-    cfg = compose_cell(method, lag, overrides=extra)
+    if method is not None and lag is not None:
+        from verl_sat.paper.grid import compose_cell
+
+        cfg = compose_cell(method, lag, overrides=extra)
+    else:
+        from hydra import compose, initialize_config_dir
+
+        from verl_sat.files import hydra_config_dir
+
+        with initialize_config_dir(config_dir=str(hydra_config_dir()), version_base=None):
+            cfg = compose(config_name=config_name, overrides=extra)
     sat = SATRecipeConfig.from_node(cfg.get("sat"))
     apply_megatron_betas(cfg)
     apply_lag(cfg, sat.lag)
     apply_actor(cfg, sat.actor)
     apply_routing_replay(cfg, sat.routing_replay)
-    return OmegaConf.create(OmegaConf.to_container(cfg, resolve=True))
+    cfg = OmegaConf.create(OmegaConf.to_container(cfg, resolve=True))
+    local_dir = str(get(cfg, "trainer.default_local_dir", ""))
+    if get(cfg, "sat.run_dir") and (not local_dir or "checkpoints/" in local_dir):
+        OmegaConf.update(cfg, "trainer.default_local_dir", str(Path(str(cfg.sat.run_dir)) / "checkpoints"))
+    return cfg
+
+
+def resolve_cell(method: str, lag: int, overrides: Sequence[str] = (), run_dir: str | None = None) -> DictConfig:
+    """A cell of the paper's grid, as ``recipes/sat_paper/run.sh`` launches it (``resolve``)."""
+    return resolve(method, lag, overrides, run_dir)
+
+
+def shared_dirs(cfg: DictConfig) -> dict[str, Path]:
+    """The run and checkpoint directories every node must share (key -> directory)."""
+    keys = ("sat.run_dir", "trainer.default_local_dir")
+    dirs = {k: Path(str(get(cfg, k))).expanduser().absolute() for k in keys if get(cfg, k)}
+    return {k: d for k, d in dirs.items() if d not in [dirs[j] for j in keys[: keys.index(k)] if j in dirs]}
+
+
+# ---------------------------------------------------------------------------------------------
+# output
+# ---------------------------------------------------------------------------------------------
+def facts_json(facts: Facts) -> dict:
+    out = asdict(facts)
+    for key in ("sglang_server_args", "checkpoint_engines"):
+        out[key] = None if out[key] is None else sorted(out[key])
+    if out["sglang_server_args"] is not None:
+        out["sglang_server_args"] = ROUTED_EXPERTS_ARG in out["sglang_server_args"]
+    return out
+
+
+def verdict(findings: Sequence[Finding], over: str, prefix: str = "[preflight]") -> str:
+    fails = sum(f.level == "fail" for f in findings)
+    word = "FAILED" if fails else "passed"
+    return f"{prefix} {word}: {fails} failure(s), {len(findings) - fails} warning(s) over {over}"
 
 
 # ---------------------------------------------------------------------------------------------
 # command line
 # ---------------------------------------------------------------------------------------------
-def summary(findings: Sequence[Finding]) -> str:
-    fails = sum(f.level == "fail" for f in findings)
-    warns = len(findings) - fails
-    verdict = "FAILED" if fails else "passed"
-    return f"[preflight] {verdict}: {fails} failure(s), {warns} warning(s) over {len(CHECKS)} checks"
-
-
-def report_json(findings: Sequence[Finding], facts: Facts) -> str:
-    facts_dict = asdict(facts)
-    for key in ("sglang_server_args", "checkpoint_engines"):
-        value = facts_dict[key]
-        facts_dict[key] = None if value is None else sorted(value)
-    if facts_dict["sglang_server_args"] is not None:
-        facts_dict["sglang_server_args"] = ROUTED_EXPERTS_ARG in facts_dict["sglang_server_args"]
-    return json.dumps(
-        {
-            "ok": not any(f.level == "fail" for f in findings),
-            "findings": [asdict(f) for f in findings],
-            "facts": facts_dict,
-        },
-        indent=1,
-        default=str,
-    )
-
-
-# Hydra's own command-line flags (hydra/_internal/utils.py's get_args_parser) that take a value;
-# the others (--resolve, --multirun, --run, --hydra-help, --version, --info [WHAT]) take none or an
-# optional one. The preflight checks the cell those overrides compose to; Hydra's flags are Hydra's.
-HYDRA_FLAGS_WITH_VALUE = frozenset(
-    {"--cfg", "-c", "--package", "-p", "--config-path", "-cp", "--config-name", "-cn", "--config-dir", "-cd"}
-)
-HYDRA_INFO_VALUES = frozenset({"all", "config", "defaults", "defaults-tree", "plugins", "searchpath"})
-OWN_FLAGS = frozenset({"--run-dir", "--json", "-h", "--help"})
-
-
 def split_hydra_flags(argv: Sequence[str]) -> tuple[list[str], list[str]]:
     """Split a launch's arguments into the preflight's own (positionals, ``key=value`` overrides,
-    --run-dir, --json) and Hydra's flags (``--cfg job``, ``--info``, ``--resolve``, ...).
+    its flags) and Hydra's flags (``--cfg job``, ``--info``, ``--resolve``, ...).
 
     >>> split_hydra_flags(["sat_gspo_r3", "8", "--cfg", "job", "a.b=1", "--resolve"])
     (['sat_gspo_r3', '8', 'a.b=1'], ['--cfg', 'job', '--resolve'])
@@ -93,15 +132,16 @@ def split_hydra_flags(argv: Sequence[str]) -> tuple[list[str], list[str]]:
     while i < len(args):
         arg = args[i]
         name = arg.split("=", 1)[0]
+        takes_value = "=" not in arg and i + 1 < len(args)
         if not arg.startswith("-") or name in OWN_FLAGS:
             own.append(arg)
-            if arg == "--run-dir" and i + 1 < len(args):
-                own.append(args[i + 1])
-                i += 1
-        elif name in HYDRA_FLAGS_WITH_VALUE and "=" not in arg and i + 1 < len(args):
+        elif name in OWN_FLAGS_WITH_VALUE:
+            own += [arg, args[i + 1]] if takes_value else [arg]
+            i += 1 if takes_value else 0
+        elif name in HYDRA_FLAGS_WITH_VALUE and takes_value:
             hydra += [arg, args[i + 1]]
             i += 1
-        elif name in ("--info", "-i") and "=" not in arg and i + 1 < len(args) and args[i + 1] in HYDRA_INFO_VALUES:
+        elif name in ("--info", "-i") and takes_value and args[i + 1] in HYDRA_INFO_VALUES:
             hydra += [arg, args[i + 1]]
             i += 1
         else:
@@ -113,36 +153,78 @@ def split_hydra_flags(argv: Sequence[str]) -> tuple[list[str], list[str]]:
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m verl_sat.preflight",
-        description="Check a cell of the paper's grid against this node before launching it (docs/reproduce.md).",
+        description="Check a run against this node, or every node of a Ray cluster, before launching it "
+        "(docs/reproduce.md, docs/cluster.md).",
     )
-    parser.add_argument("method", help="a Table-1 method (python -m verl_sat.paper.grid --list)")
-    parser.add_argument("lag", type=int, help="the lag (1 or 8)")
     parser.add_argument(
-        "hydra_overrides",
-        nargs="*",
-        help="the Hydra overrides run.sh passes (key=value; Hydra's own flags such as --cfg are ignored)",
+        "args", nargs="*", help="[<method> <lag>] (python -m verl_sat.paper.grid --list), then key=value"
     )
     parser.add_argument("--run-dir", default=None, help="the run directory (sat.run_dir), as run.sh sets it")
     parser.add_argument("--json", action="store_true", help="print findings and facts as JSON")
+    parser.add_argument("--config-name", default="sat_gspo_cpu", help="the config without <method> <lag>")
+    parser.add_argument(
+        "--address", default=None, help="a Ray cluster (default: ray_kwargs.ray_init.address, else RAY_ADDRESS)"
+    )
     return parser
 
 
-def main(argv: Sequence[str] | None = None, probe_fn: Callable[[DictConfig], Facts] = probe) -> int:
-    """Resolve the cell, probe the node, run the checks; 0 when nothing fails, 1 otherwise.
+def split_cell(args: Sequence[str]) -> tuple[str | None, int | None, list[str]]:
+    """``[method, lag, *overrides]`` or ``overrides``: a cell when the first two are not ``key=value``."""
+    if len(args) >= 2 and "=" not in args[0] and "=" not in args[1]:
+        return args[0], int(args[1]), list(args[2:])
+    return None, None, list(args)
 
-    Hydra's own flags among ``argv`` (run.sh forwards the launch's arguments) are dropped with a
-    note: they change what Hydra prints or how it runs, not the cell's config."""
-    own, hydra_flags = split_hydra_flags(sys.argv[1:] if argv is None else argv)
-    args = _parser().parse_intermixed_args(own)
-    if hydra_flags:
-        print(f"[preflight] left to Hydra: {' '.join(hydra_flags)}", file=sys.stderr)
-    cfg = resolve_cell(args.method, args.lag, args.hydra_overrides, run_dir=args.run_dir)
-    facts = probe_fn(cfg)
+
+def on_this_node(cfg: DictConfig, as_json: bool, gather_fn: Callable[[DictConfig], Facts]) -> bool:
+    """``gather`` here, then every check of ``CHECKS``."""
+    facts = gather_fn(cfg)
     findings = run_checks(cfg, facts)
-    if args.json:
-        print(report_json(findings, facts))
+    ok = not any(f.level == "fail" for f in findings)
+    if as_json:
+        report = {"ok": ok, "findings": [asdict(f) for f in findings], "facts": facts_json(facts)}
+        print(json.dumps(report, indent=1, default=str))
     else:
         for finding in findings:
             print(finding.line())
-        print(summary(findings))
-    return 1 if any(f.level == "fail" for f in findings) else 0
+        print(verdict(findings, f"{len(CHECKS)} checks"))
+    return ok
+
+
+def on_the_cluster(cfg: DictConfig, address: str, as_json: bool) -> bool:
+    """``gather`` on every node of the cluster at ``address``, then the cluster checks."""
+    import ray
+
+    ray.init(address=address, log_to_driver=False, logging_level="ERROR")
+    try:
+        nodes = alive_nodes()
+        facts: dict[Node, Facts] = on_each_node(gather, cfg, nodes=nodes)
+        findings = run_cluster_checks(cfg, facts, paths_on_nodes(cfg, shared_dirs(cfg), nodes))
+    finally:
+        ray.shutdown()
+    ok = not any(f.level == "fail" for f in findings)
+    prefix = "[cluster-preflight]"
+    if as_json:
+        rows = [{"node": n.name, "node_id": n.node_id, **facts_json(facts[n])} for n in nodes]
+        print(json.dumps({"ok": ok, "nodes": rows, "findings": [asdict(f) for f in findings]}, indent=1, default=str))
+        return ok
+    for node in nodes:
+        seen = len(facts[node].gpus)
+        print(f"{prefix} node {node.name}: {node.gpus} GPU slots, {node.cpus} CPUs, {seen} GPUs by NVML")
+    for finding in findings:
+        print(finding.line(prefix))
+    print(verdict(findings, f"{len(nodes)} node(s)", prefix))
+    return ok
+
+
+def main(argv: Sequence[str] | None = None, gather_fn: Callable[[DictConfig], Facts] = gather) -> int:
+    """Resolve the run, gather the facts (here, or on each node of a cluster), check them; 0 when
+    nothing fails, 1 otherwise."""
+    own, hydra_flags = split_hydra_flags(sys.argv[1:] if argv is None else argv)
+    args = _parser().parse_intermixed_args(own)
+    if hydra_flags:  # run.sh forwards the launch's arguments, Hydra's flags too
+        print(f"[preflight] left to Hydra: {' '.join(hydra_flags)}", file=sys.stderr)
+    method, lag, overrides = split_cell(args.args)
+    cfg = resolve(method, lag, overrides, args.run_dir, args.config_name)
+    address = args.address or cluster_address(cfg)
+    ok = on_the_cluster(cfg, address, args.json) if address else on_this_node(cfg, args.json, gather_fn)
+    return 0 if ok else 1

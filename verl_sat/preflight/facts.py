@@ -1,82 +1,63 @@
-"""The preflight's facts and estimates (docs/reproduce.md): what the probe gathers about the node
-(``Facts``, ``GPU``, ``ModelFacts``), one result line (``Finding``), and the config helpers and
-estimates the checks share (``param_count``, ``host_optimizer_bytes``, ``rollout_buffer_bytes``,
-``warmup_prompts``, ``checkpoint_bytes``, ``snapshot_bytes``, ``bridge_module``, ...).
+"""A node's facts for the preflight (docs/reproduce.md): ``gather`` is the only code that inspects a
+node, here or in a Ray task pinned to each node of a cluster (``verl_sat.preflight.cluster``).
+
+Each fact comes from the library that owns it: GPUs from NVML (``pynvml``: no CUDA context is
+opened), installed versions and their declared requirements from ``importlib.metadata`` read with
+``packaging`` as ``pip check`` reads them, host memory from ``psutil``, the weight-sync backends from
+verl's ``CheckpointEngineRegistry``, the reward function loaded as verl loads it. torch, sglang,
+megatron, pyarrow and transformers are imported inside the functions only.
 """
 
 from __future__ import annotations
 
-import math
+import json
+import shutil
+import sys
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
-from omegaconf import DictConfig, OmegaConf, open_dict
+from omegaconf import DictConfig
+
+from verl_sat.preflight.estimates import as_list, get
 
 # verl-sat is built on exactly this verl (pyproject.toml pins it).
 VERL_VERSION = "0.9.1"
-# The sglang that verl 0.9.1's `sglang` extra pins (its METADATA); used when the installed verl's
-# metadata does not say (tests check the two agree).
+# The sglang and Megatron-Bridge that verl 0.9.1's `sglang` / `megatron` extras pin (its METADATA);
+# used when the installed verl's metadata does not say (tests check they agree).
 SGLANG_FOR_VERL = "0.5.12"
-# The SGLang server argument R3 needs (verl's async_sglang_server sets it when
-# rollout.enable_rollout_routing_replay is on).
-ROUTED_EXPERTS_ARG = "enable_return_routed_experts"
-# The Megatron-Bridge that verl 0.9.1's `megatron` extra pins (its METADATA); used when the
-# installed verl's metadata does not say (tests check the two agree).
 MEGATRON_BRIDGE_FOR_VERL = "0.5.2"
 # Megatron-Bridge's Requires-Python (0.4 and later, 0.5.1 and 0.6.0 read from their wheels).
 MEGATRON_BRIDGE_PYTHON = (3, 12)
+# The SGLang server argument R3 needs (verl's async_sglang_server sets it when
+# rollout.enable_rollout_routing_replay is on).
+ROUTED_EXPERTS_ARG = "enable_return_routed_experts"
 # What verl's Megatron engine imports to build the model from the HF checkpoint
 # (workers/engine/megatron/transformer_impl.py): vanilla_mbridge=false (verl's default) ->
 # verl.models.mcore.bridge -> `from megatron.bridge import AutoBridge`; true ->
 # verl.models.mcore.mbridge -> `from mbridge import AutoBridge`. module -> distribution.
 BRIDGES = {"megatron.bridge": "megatron-bridge", "mbridge": "mbridge"}
 # Modules imported by the probe; None in Facts.import_errors means the import worked.
-PROBED_MODULES = (
-    "megatron.core",
-    "megatron.bridge",
-    "mbridge",
-    "transformer_engine",
-    "sglang.srt.server_args",
-)
-# Distributions whose versions the probe records.
-PROBED_DISTRIBUTIONS = (
+PROBED_MODULES = ("megatron.core", "megatron.bridge", "mbridge", "transformer_engine", "sglang.srt.server_args")
+# The stack: distributions whose versions are recorded (and compared across a cluster's nodes), and
+# whose declared requirements on one another are checked against what is installed.
+STACK = (
+    "torch",
     "verl",
+    "verl-sat",
+    "ray",
+    "transformers",
+    "vllm",
     "sglang",
+    "flashinfer-python",
     "megatron-core",
     "megatron-bridge",
     "mbridge",
     "transformer-engine",
-    "transformers",
-    "torch",
 )
-# Requirements of these distributions (their own METADATA) on these packages are checked against
-# the installed versions: a bridge built for another transformers or megatron-core is a mismatch.
-CHECKED_REQUIREMENTS = {
-    "megatron-bridge": ("transformers", "megatron-core", "torch", "transformer-engine"),
-    "mbridge": ("transformers", "megatron-core", "torch"),
-    "sglang": ("transformers", "torch"),
-}
-# What TransferQueue holds per sample of the rollout buffer (verl's agent_loop_tq puts
-# AgentLoopOutput.as_dict() unpadded): int64 input_ids, prompts + responses and position_ids over
-# the whole sequence; int64 response_mask and loss_mask, fp32 rollout_log_probs and rm_scores
-# over the response. R3 adds routed_experts: int16 [sequence, layers, top-k].
-BUFFER_BYTES_PER_TOKEN = 3 * 8
-BUFFER_BYTES_PER_RESPONSE_TOKEN = 2 * 8 + 2 * 4
-# What verl's step writes back onto the batch it trains, fp32 over the response, before the save
-# (trainer_base.py's fit: step -> _save_checkpoint -> kv_clear of the step's batch).
-WRITEBACK_BYTES_PER_RESPONSE_TOKEN = 4
-ROUTE_ID_BYTES = 2
-DTYPE_BYTES = {"bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2, "half": 2, "float32": 4, "fp32": 4, "fp8": 1}
-GIB = 1024**3
-
-ROLLOUT = "actor_rollout_ref.rollout"
-MEGATRON = "actor_rollout_ref.actor.megatron"
-OPTIM = "actor_rollout_ref.actor.optim"
 
 
-# ---------------------------------------------------------------------------------------------
-# facts of the node
-# ---------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class GPU:
     """One visible accelerator: its index, name, total and currently free memory in bytes."""
@@ -112,36 +93,40 @@ class ModelFacts:
 
 @dataclass
 class Facts:
-    """Everything the checks read about the node, gathered once by ``probe``.
+    """Everything the checks read about one node, gathered once by ``gather``.
 
     Args:
-        gpus: visible GPUs (``CUDA_VISIBLE_DEVICES`` applies).
+        hostname: the node's host name.
+        gpus: GPUs NVML reports, as ``CUDA_VISIBLE_DEVICES`` selects them.
+        gpu_error: why NVML reported none (e.g. "no NVIDIA driver"), None when it answered.
+        cuda_driver: the CUDA version the driver supports (NVML), e.g. "12.8".
         cuda_runtime: torch's CUDA runtime version (``torch.version.cuda``), None without CUDA.
         python: this interpreter's (major, minor).
-        versions: distribution name -> installed version (None: not installed).
-        sglang_pin: the sglang version the installed verl's ``sglang`` extra pins.
-        megatron_pins: distribution -> version pinned (``==``) by the installed verl's ``megatron``
-            extra (e.g. megatron-bridge).
-        requirement_conflicts: distribution -> its requirements (``CHECKED_REQUIREMENTS``) that
-            the installed versions do not satisfy, one line each (``transformers<5.9.0 (5.9.0)``).
+        versions: distribution of ``STACK`` -> installed version (None: not installed).
+        extra_pins: extra of the installed verl (``sglang``, ``megatron``) -> distribution -> the
+            version it pins with ``==``.
+        requirement_conflicts: distribution -> its declared requirements on ``STACK`` that the
+            installed versions do not meet, one line each (``transformers<5.9.0 (5.9.0 installed)``).
         import_errors: module -> None when it imports, else the error's one-line text.
         sglang_server_args: the field names of SGLang's ``ServerArgs`` (None: not importable).
         checkpoint_engines: backends registered in verl's ``CheckpointEngineRegistry``.
         checkpoint_engine_errors: verl's recorded import errors of its engine modules.
         cupy_distributions: installed ``cupy*`` distributions (e.g. ``cupy-cuda12x``).
-        host_mem_available_bytes: ``MemAvailable`` of /proc/meminfo.
+        host_mem_available_bytes, host_mem_total_bytes: ``psutil.virtual_memory()``.
         disk_free_bytes: free bytes on the file system of ``trainer.default_local_dir``.
         model: the model path's local files.
         data_schemas: data file -> {column: struct field names}, or a string saying why not.
         reward_fn_error: None when the reward function loads, else the error.
     """
 
+    hostname: str = ""
     gpus: tuple[GPU, ...] = ()
+    gpu_error: str | None = None
+    cuda_driver: str | None = None
     cuda_runtime: str | None = None
     python: tuple[int, int] = (3, 12)
     versions: dict[str, str | None] = field(default_factory=dict)
-    sglang_pin: str | None = None
-    megatron_pins: dict[str, str] = field(default_factory=dict)
+    extra_pins: dict[str, dict[str, str]] = field(default_factory=dict)
     requirement_conflicts: dict[str, tuple[str, ...]] = field(default_factory=dict)
     import_errors: dict[str, str | None] = field(default_factory=dict)
     sglang_server_args: frozenset[str] | None = None
@@ -149,10 +134,15 @@ class Facts:
     checkpoint_engine_errors: dict[str, str] = field(default_factory=dict)
     cupy_distributions: tuple[str, ...] = ()
     host_mem_available_bytes: int | None = None
+    host_mem_total_bytes: int | None = None
     disk_free_bytes: int | None = None
     model: ModelFacts = field(default_factory=ModelFacts)
     data_schemas: dict[str, dict[str, tuple[str, ...]] | str] = field(default_factory=dict)
     reward_fn_error: str | None = None
+
+    def pin(self, extra: str, name: str, default: str | None = None) -> str | None:
+        """The version verl's ``extra`` pins for ``name`` (``default`` when its metadata does not say)."""
+        return self.extra_pins.get(extra, {}).get(name) or default
 
 
 @dataclass(frozen=True)
@@ -164,328 +154,312 @@ class Finding:
     message: str
     level: str = "fail"
 
-    def line(self) -> str:
-        return f"[preflight] {self.level.upper()} {self.check}: {self.message}"
+    def line(self, prefix: str = "[preflight]") -> str:
+        return f"{prefix} {self.level.upper()} {self.check}: {self.message}"
+
+
+def one_line(error: BaseException) -> str:
+    text = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {text[0] if text else ''}"[:300]
 
 
 # ---------------------------------------------------------------------------------------------
-# config helpers
+# GPUs: NVML, no CUDA context
 # ---------------------------------------------------------------------------------------------
-def get(cfg: DictConfig, key: str, default: Any = None) -> Any:
-    """``cfg[key]`` for a dotted key, ``default`` when absent or null."""
-    value = OmegaConf.select(cfg, key, default=default)
-    return default if value is None else value
+def visible_ordinals(uuids: Sequence[str]) -> list[int]:
+    """NVML indices of the devices CUDA will show, by torch's own parse of ``CUDA_VISIBLE_DEVICES``
+    (ordinals or UUID prefixes; the first invalid entry ends the list, as CUDA does)."""
+    import torch
+
+    devices = torch.cuda._parse_visible_devices()
+    if devices and isinstance(devices[0], str):
+        return torch.cuda._transform_uuid_to_ordinals(list(devices), list(uuids))
+    ordinals: list[int] = []
+    for index in devices:
+        if not 0 <= int(index) < len(uuids):
+            break
+        ordinals.append(int(index))
+    return ordinals
 
 
-def as_list(value: Any) -> list[str]:
-    """A data-files value (one path or a list of them) as a list of strings."""
-    if value is None:
-        return []
-    if isinstance(value, str):
-        return [value]
-    return [str(v) for v in value]
+def probe_gpus() -> tuple[tuple[GPU, ...], str | None, str | None]:
+    """(GPUs, the driver's CUDA version, why there are none) from NVML. A node without an NVIDIA
+    driver answers ``NVMLError`` at ``nvmlInit``: no GPU, and the reason."""
+    import pynvml
 
-
-def is_standalone_rollout(cfg: DictConfig) -> bool:
-    """separate_async with ``hybrid_engine=false``: rollout GPUs are a pool of their own."""
-    mode = str(get(cfg, "trainer.v1.trainer_mode", "")).removeprefix("sat_")
-    return mode == "separate_async" and not bool(get(cfg, "actor_rollout_ref.hybrid_engine", True))
-
-
-def bridge_module(cfg: DictConfig) -> str:
-    """The module verl's Megatron engine imports for the HF <-> Megatron bridge (``BRIDGES``):
-    ``megatron.bridge`` unless ``actor.megatron.vanilla_mbridge`` is true (then ``mbridge``)."""
-    return "mbridge" if bool(get(cfg, f"{MEGATRON}.vanilla_mbridge", False)) else "megatron.bridge"
-
-
-def uses_r3(cfg: DictConfig) -> bool:
-    return str(get(cfg, f"{MEGATRON}.router_replay.mode", "disabled")) == "R3" or bool(
-        get(cfg, f"{ROLLOUT}.enable_rollout_routing_replay", False)
-    )
-
-
-def trainer_gpus(cfg: DictConfig) -> int:
-    return int(get(cfg, "trainer.nnodes", 1)) * int(get(cfg, "trainer.n_gpus_per_node", 0))
-
-
-def rollout_pool_gpus(cfg: DictConfig) -> int:
-    return int(get(cfg, f"{ROLLOUT}.nnodes", 0)) * int(get(cfg, f"{ROLLOUT}.n_gpus_per_node", 0))
-
-
-def megatron_layout(cfg: DictConfig) -> dict[str, int]:
-    """TP, PP, CP, EP and ETP of the actor (ETP null means ETP = TP, as in Megatron)."""
-    tp = int(get(cfg, f"{MEGATRON}.tensor_model_parallel_size", 1))
-    return {
-        "tp": tp,
-        "pp": int(get(cfg, f"{MEGATRON}.pipeline_model_parallel_size", 1)),
-        "cp": int(get(cfg, f"{MEGATRON}.context_parallel_size", 1)),
-        "ep": int(get(cfg, f"{MEGATRON}.expert_model_parallel_size", 1)),
-        "etp": int(get(cfg, f"{MEGATRON}.expert_tensor_parallel_size", tp)),
-    }
-
-
-def rollout_replica_gpus(cfg: DictConfig) -> int:
-    """GPUs of one rollout replica: TP × DP × PP (verl's RolloutReplica.world_size)."""
-    return (
-        int(get(cfg, f"{ROLLOUT}.tensor_model_parallel_size", 1))
-        * int(get(cfg, f"{ROLLOUT}.data_parallel_size", 1))
-        * int(get(cfg, f"{ROLLOUT}.pipeline_model_parallel_size", 1))
-    )
-
-
-def dtype_bytes(name: Any, default: int = 2) -> int:
-    return DTYPE_BYTES.get(str(name).removeprefix("torch."), default)
-
-
-def param_count(facts: Facts) -> int | None:
-    """Parameters of the model: checkpoint bytes / bytes of its ``torch_dtype`` (None: unknown)."""
-    if facts.model.weight_bytes is None:
-        return None
-    config = facts.model.config or {}
-    return facts.model.weight_bytes // dtype_bytes(config.get("torch_dtype") or config.get("dtype"))
-
-
-def optimizer_offload_fraction(cfg: DictConfig) -> float:
-    """Share of the Adam states kept in host memory: Megatron's hybrid-device optimizer
-    (``optimizer_cpu_offload`` with ``optimizer_offload_fraction``, Megatron's default 0) or
-    verl's ``megatron.optimizer_offload`` (all of it); 0 when neither is on."""
-    override = f"{OPTIM}.override_optimizer_config"
-    if bool(get(cfg, f"{override}.optimizer_cpu_offload", False)):
-        return float(get(cfg, f"{override}.optimizer_offload_fraction", 0.0))
-    return 1.0 if bool(get(cfg, f"{MEGATRON}.optimizer_offload", False)) else 0.0
-
-
-def adam_bytes_per_param(cfg: DictConfig, with_grad: bool) -> int:
-    """fp32 master weight + exp_avg + exp_avg_sq (their configured dtypes) [+ the main grad]."""
-    total = 4 + dtype_bytes(get(cfg, f"{OPTIM}.exp_avg_dtype", "fp32"), 4)
-    total += dtype_bytes(get(cfg, f"{OPTIM}.exp_avg_sq_dtype", "fp32"), 4)
-    if with_grad:
-        total += dtype_bytes(get(cfg, f"{OPTIM}.main_grads_dtype", "fp32"), 4)
-    return total
-
-
-def host_optimizer_bytes(cfg: DictConfig, params: int) -> int:
-    """Host bytes of the offloaded optimizer = params × fraction × bytes per parameter.
-
-    Megatron's hybrid-device optimizer keeps master weight, both moments and the main grad on the
-    CPU (16 bytes at fp32); verl's ``optimizer_offload`` moves master weight and moments (12).
-    With the distributed optimizer the states are sharded, not replicated, over data parallelism.
-    """
-    fraction = optimizer_offload_fraction(cfg)
-    hybrid = bool(get(cfg, f"{OPTIM}.override_optimizer_config.optimizer_cpu_offload", False))
-    return int(params * fraction * adam_bytes_per_param(cfg, with_grad=hybrid))
-
-
-def base_mode(cfg: DictConfig) -> str:
-    """verl's trainer mode (``trainer.v1.trainer_mode`` without verl-sat's ``sat_`` prefix)."""
-    return str(get(cfg, "trainer.v1.trainer_mode", "sync")).removeprefix("sat_")
-
-
-def verl_gen_batch_size(cfg: DictConfig) -> int:
-    """``data.gen_batch_size`` as verl's trainer runs with it (prompts per dataloader fetch).
-
-    verl 0.9.1's ``PPOTrainer._init_dataloader`` (``verl/trainer/ppo/v1/trainer_base.py``) rewrites
-    the key to 1 ("exact refill counts require single-prompt dataloader fetches") when the mode is
-    not ``sync``, ``algorithm.filter_groups.enable`` is set or
-    ``trainer.v1.sampler.sync_refill_failed_groups`` is; otherwise it is the key, or
-    ``data.train_batch_size`` when unset. verl has no function for it outside ``_init_dataloader``
-    (which builds the datasets), so these are the keys it reads, in its order;
-    tests/test_preflight_on_cpu.py runs ``_init_dataloader`` itself on the composed cells to agree.
-    """
-    exact_refill = (
-        base_mode(cfg) != "sync"
-        or bool(get(cfg, "algorithm.filter_groups.enable", False))
-        or bool(get(cfg, "trainer.v1.sampler.sync_refill_failed_groups", False))
-    )
-    if exact_refill:
-        return 1
-    return int(get(cfg, "data.gen_batch_size", 0) or get(cfg, "data.train_batch_size", 0))
-
-
-def warmup_prompts(cfg: DictConfig) -> int:
-    """Prompts verl issues ahead of the first global step, counted by verl's own code.
-
-    The trainer class verl registers for the mode (``get_trainer_cls``; verl-sat's ``sat_`` classes
-    leave ``on_train_begin`` to it) runs its ``on_train_begin`` on a stand-in: the config with
-    ``data.gen_batch_size`` as ``_init_dataloader`` sets it (``verl_gen_batch_size``), nothing
-    restored from a checkpoint (a resume tops the restored groups up to the same number), and
-    ``_add_prompts_to_generate`` counting prompts instead of fetching them. In the async modes
-    that is ``_add_async_warmup_batches``: floor(num_warmup_batches × train_batch_size /
-    gen_batch_size) × gen_batch_size with gen_batch_size = 1, i.e. 256 prompts at lag 1
-    (1 × 256) and at lag 8 (0.125 × 2048); ``sync`` has none.
-    """
-    import copy
-    import logging
-    import warnings
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # verl's optional engines warn when they are absent
-        from verl.trainer.ppo.v1 import trainer_base
-
-    config = copy.deepcopy(cfg)
-    with open_dict(config):
-        OmegaConf.update(config, "data.gen_batch_size", verl_gen_batch_size(cfg), force_add=True)
-    trainer = object.__new__(trainer_base.get_trainer_cls(base_mode(cfg)))
-    issued: list[int] = []
-    trainer.config = config
-    trainer._restored_tq_prompt_count = 0
-    trainer._add_prompts_to_generate = lambda n: issued.append(int(n)) or int(n)
-    log = logging.getLogger(trainer_base.__name__)
-    level = log.level
-    log.setLevel(logging.WARNING)  # its "Added N warmup prompts" line is the trainer's, not the preflight's
     try:
-        trainer.on_train_begin()
+        pynvml.nvmlInit()
+    except pynvml.NVMLError as err:
+        return (), None, f"no NVIDIA driver (NVML: {err})"
+    try:
+        cuda = pynvml.nvmlSystemGetCudaDriverVersion()  # 12080 for 12.8
+        handles = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(pynvml.nvmlDeviceGetCount())]
+        gpus = []
+        for ordinal in visible_ordinals([pynvml.nvmlDeviceGetUUID(h) for h in handles]):
+            memory = pynvml.nvmlDeviceGetMemoryInfo(handles[ordinal])
+            name = pynvml.nvmlDeviceGetName(handles[ordinal])
+            gpus.append(GPU(len(gpus), name, int(memory.total), int(memory.free)))
+    except pynvml.NVMLError as err:
+        return (), None, f"NVML: {err}"
     finally:
-        log.setLevel(level)
-    return sum(issued)
+        pynvml.nvmlShutdown()
+    return tuple(gpus), f"{cuda // 1000}.{cuda % 1000 // 10}", None if gpus else "NVML reports no visible GPU"
 
 
-def buffered_prompts(cfg: DictConfig) -> int:
-    """Prompt groups TransferQueue holds at once: the global step's ``data.train_batch_size`` plus
-    the warm-up window verl keeps in flight ahead of it (``warmup_prompts``). A step's groups are
-    cleared (``kv_clear``) after the step and its checkpoint, so a snapshot holds as many."""
-    batch = int(get(cfg, "data.train_batch_size", 0))
-    if batch <= 0:
-        return 0
-    return batch + warmup_prompts(cfg)
+# ---------------------------------------------------------------------------------------------
+# packages: importlib.metadata, read as pip check reads it
+# ---------------------------------------------------------------------------------------------
+def installed_version(name: str) -> str | None:
+    from importlib import metadata
 
-
-def route_bytes_per_token(cfg: DictConfig, config: dict[str, Any] | None) -> int | None:
-    """R3's routed_experts per token: layers × top-k × int16 (0 when R3 is off; None: unknown)."""
-    if not bool(get(cfg, f"{ROLLOUT}.enable_rollout_routing_replay", False)):
-        return 0
-    config = config or {}
-    if "num_hidden_layers" not in config:
-        config = config.get("text_config") or {}
-    layers, top_k = config.get("num_hidden_layers"), config.get("num_experts_per_tok")
-    if layers is None or top_k is None:
+    try:
+        return metadata.version(name)
+    except metadata.PackageNotFoundError:
         return None
-    return int(layers) * int(top_k) * ROUTE_ID_BYTES
 
 
-def rollout_buffer_bytes(cfg: DictConfig, config: dict[str, Any] | None) -> dict[str, int] | None:
-    """The rollout buffer in host memory at its largest (every response at max length).
+def requirements(name: str, extra: str = "") -> list[Any]:
+    """``name``'s declared requirements (``packaging`` ``Requirement``) whose marker holds on this
+    interpreter for ``extra`` ('' : the base install), as pip evaluates them; [] when not installed."""
+    from importlib import metadata
 
-    samples   = buffered_prompts × rollout.n
-    sequence  = data.max_prompt_length + data.max_response_length
-    per sample = sequence × (24 + route bytes per token) + max_response_length × 24
-    with route bytes per token = num_hidden_layers × num_experts_per_tok × 2 under R3 (verl
-    stores routed_experts as int16 over the whole sequence), 0 otherwise. None when R3 is on and
-    config.json's layers / top-k are unknown. Returns samples, per_sample, routes (all samples'
-    routes) and total bytes.
-    """
-    routes_per_token = route_bytes_per_token(cfg, config)
-    if routes_per_token is None:
-        return None
-    prompt, response = int(get(cfg, "data.max_prompt_length", 0)), int(get(cfg, "data.max_response_length", 0))
-    sequence = prompt + response
-    samples = buffered_prompts(cfg) * int(get(cfg, f"{ROLLOUT}.n", 1))
-    per_sample = sequence * (BUFFER_BYTES_PER_TOKEN + routes_per_token) + response * BUFFER_BYTES_PER_RESPONSE_TOKEN
-    return {
-        "samples": samples,
-        "per_sample": per_sample,
-        "routes": samples * sequence * routes_per_token,
-        "total": samples * per_sample,
+    from packaging.requirements import InvalidRequirement, Requirement
+
+    try:
+        lines = metadata.requires(name) or []
+    except metadata.PackageNotFoundError:
+        return []
+    out = []
+    for line in lines:
+        try:
+            req = Requirement(line)
+        except InvalidRequirement:
+            continue
+        if req.marker is None or req.marker.evaluate({"extra": extra}):
+            if extra and (req.marker is None or "extra" not in str(req.marker)):
+                continue  # an extra's own requirements only
+            out.append(req)
+    return out
+
+
+def unmet(reqs: Sequence[Any], installed: dict[str, str | None]) -> tuple[str, ...]:
+    """The requirements on ``installed``'s distributions that their installed versions do not meet
+    (pip check's "has requirement X, but you have X v"). One not installed is left to the import checks."""
+    from packaging.utils import canonicalize_name
+
+    out = []
+    for req in reqs:
+        have = installed.get(canonicalize_name(req.name))
+        if have is not None and req.specifier and not req.specifier.contains(have, prereleases=True):
+            out.append(f"{canonicalize_name(req.name)}{req.specifier} ({have} installed)")
+    return tuple(out)
+
+
+def probe_packages() -> tuple[dict[str, str | None], dict[str, dict[str, str]], dict[str, tuple[str, ...]]]:
+    """Versions of ``STACK``, verl's extras' ``==`` pins, and each installed distribution's unmet
+    requirements on the others."""
+    versions = {name: installed_version(name) for name in STACK}
+    pins = {
+        extra: {
+            str(req.name).lower(): next(iter(req.specifier)).version
+            for req in requirements("verl", extra)
+            if len(req.specifier) == 1 and next(iter(req.specifier)).operator == "=="
+        }
+        for extra in ("sglang", "megatron")
     }
+    conflicts = {}
+    for name in STACK:
+        if versions[name] is not None and (found := unmet(requirements(name), versions)):
+            conflicts[name] = found
+    return versions, pins, conflicts
 
 
-def step_writeback_fields(cfg: DictConfig) -> tuple[str, ...]:
-    """The fields verl's step writes into TransferQueue for the batch it trains (fp32, over the
-    response; ``verl/trainer/ppo/v1/trainer_base.py``): ``old_log_probs`` (bypass mode: a copy of
-    ``rollout_log_probs``; else recomputed, with ``entropy``), ``ref_log_prob`` when verl's
-    ``need_reference_policy``, ``values`` when ``need_critic``, then ``advantages`` and ``returns``,
-    ``token_level_rewards`` with ``algorithm.use_kl_in_reward`` and ``rollout_is_weights`` with
-    decoupled rollout correction (``rollout_is`` set, bypass off)."""
-    import warnings
+def cupy_distributions() -> tuple[str, ...]:
+    from importlib import metadata
 
-    from verl.trainer.ppo.utils import need_critic, need_reference_policy
-
-    bypass = bool(get(cfg, "algorithm.rollout_correction.bypass_mode", False))
-    fields = ["old_log_probs"] + ([] if bypass else ["entropy"])
-    if need_reference_policy(cfg):
-        fields.append("ref_log_prob")
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # need_critic warns that GRPO needs none
-        if need_critic(cfg):
-            fields.append("values")
-    fields += ["advantages", "returns"]
-    if bool(get(cfg, "algorithm.use_kl_in_reward", False)):
-        fields.append("token_level_rewards")
-    if not bypass and get(cfg, "algorithm.rollout_correction.rollout_is") is not None:
-        fields.append("rollout_is_weights")
-    return tuple(fields)
+    names = {(d.metadata["Name"] or "").lower() for d in metadata.distributions()}
+    return tuple(sorted(n for n in names if n.startswith("cupy")))
 
 
-def snapshot_bytes(cfg: DictConfig, config: dict[str, Any] | None) -> dict[str, int] | None:
-    """One TransferQueue snapshot, ``global_step_k/transfer_queue``, at its largest.
+# ---------------------------------------------------------------------------------------------
+# modules and verl's registries
+# ---------------------------------------------------------------------------------------------
+def probe_imports() -> tuple[dict[str, str | None], frozenset[str] | None]:
+    import dataclasses
+    import importlib
 
-    verl's ``_save_checkpoint`` pickles the whole queue (``tq.save_checkpoint``) in the async modes,
-    after the step trained and before its batch is cleared, so the snapshot holds the rollout
-    buffer at its largest (``rollout_buffer_bytes``: the step's batch plus the warm-up window,
-    × rollout.n, R3's routes included) and, on the step's ``train_batch_size × rollout.n``
-    samples, what the step wrote back (``step_writeback_fields``, 4 B a response token each).
-    Zero in ``sync`` (verl saves no snapshot); None when R3's routes are unknown.
-    """
-    if base_mode(cfg) == "sync":
-        return {"samples": 0, "buffer": 0, "writeback": 0, "total": 0}
-    buffer = rollout_buffer_bytes(cfg, config)
-    if buffer is None:
+    errors: dict[str, str | None] = {}
+    server_args = None
+    for module in PROBED_MODULES:
+        try:
+            mod = importlib.import_module(module)
+            errors[module] = None
+            if module in BRIDGES and not hasattr(mod, "AutoBridge"):
+                errors[module] = f"ImportError: cannot import name 'AutoBridge' from '{module}'"
+            if module == "sglang.srt.server_args":
+                server_args = frozenset(f.name for f in dataclasses.fields(mod.ServerArgs))
+        except Exception as err:  # noqa: BLE001 (any import failure is a fact to report)
+            errors[module] = one_line(err)
+    return errors, server_args
+
+
+def probe_checkpoint_engines() -> tuple[frozenset[str], dict[str, str]]:
+    try:
+        from verl.checkpoint_engine import CheckpointEngineRegistry
+    except Exception as err:  # noqa: BLE001
+        return frozenset(), {"verl.checkpoint_engine": one_line(err)}
+    errors = {module: one_line(err) for module, err in CheckpointEngineRegistry._import_errors.items()}
+    return frozenset(CheckpointEngineRegistry._registry), errors
+
+
+def probe_reward(cfg: DictConfig) -> str | None:
+    """None when verl can load the reward function (``load_extern_object``, as verl does)."""
+    path, name = get(cfg, "reward.custom_reward_function.path"), get(cfg, "reward.custom_reward_function.name")
+    try:
+        if path:
+            from verl.utils.import_utils import load_extern_object
+
+            fn = load_extern_object(module_path=path, object_name=name)
+        else:
+            from verl.utils.reward_score import default_compute_score as fn
+        return None if callable(fn) else f"{name} is not callable"
+    except Exception as err:  # noqa: BLE001
+        return one_line(err)
+
+
+# ---------------------------------------------------------------------------------------------
+# disk and files
+# ---------------------------------------------------------------------------------------------
+def probe_disk(path: str) -> int | None:
+    """Free bytes on the file system that will hold ``path`` (its nearest existing parent)."""
+    target = Path(path).expanduser().absolute()
+    while not target.exists() and target != target.parent:
+        target = target.parent
+    try:
+        return shutil.disk_usage(target).free
+    except OSError:
         return None
-    trained = int(get(cfg, "data.train_batch_size", 0)) * int(get(cfg, f"{ROLLOUT}.n", 1))
-    response = int(get(cfg, "data.max_response_length", 0))
-    writeback = trained * response * WRITEBACK_BYTES_PER_RESPONSE_TOKEN * len(step_writeback_fields(cfg))
-    return {
-        "samples": buffer["samples"],
-        "buffer": buffer["total"],
-        "writeback": writeback,
-        "total": buffer["total"] + writeback,
-    }
 
 
-def checkpoint_bytes(cfg: DictConfig, params: int) -> int:
-    """One checkpoint: model (params × model dtype) + optimizer (params × Adam bytes, no grad) +
-    hf_model (params × model dtype), for what ``actor.checkpoint.save_contents`` lists."""
-    contents = set(as_list(get(cfg, "actor_rollout_ref.actor.checkpoint.save_contents", ["model", "optimizer"])))
-    weight = dtype_bytes(get(cfg, f"{MEGATRON}.dtype", "bfloat16"))
-    per_param = weight * (("model" in contents) + ("hf_model" in contents))
-    per_param += adam_bytes_per_param(cfg, with_grad=False) if "optimizer" in contents else 0
-    return params * per_param
+def local_model_dir(path: str) -> Path | None:
+    """A local directory, or the Hugging Face cache's snapshot of a hub id (never downloads)."""
+    local = Path(path).expanduser()
+    if local.is_dir():
+        return local
+    try:
+        from huggingface_hub import try_to_load_from_cache
+
+        found = try_to_load_from_cache(repo_id=path, filename="config.json")
+    except Exception:  # noqa: BLE001 (no hub client, or not a valid repo id: not cached)
+        return None
+    return Path(found).parent if isinstance(found, str) else None
 
 
-def kept_checkpoints(cfg: DictConfig) -> int:
-    """``trainer.max_actor_ckpt_to_keep``, or every save of the run when it is unset (null/<= 0).
-    TransferQueue snapshots are kept as many (``verl_sat.trainer.faults.prune_snapshots``)."""
-    save_freq = int(get(cfg, "trainer.save_freq", -1))
-    if save_freq <= 0:
-        return 0
-    keep = int(get(cfg, "trainer.max_actor_ckpt_to_keep", 0) or 0)
-    total = int(get(cfg, "trainer.total_training_steps", 0) or 0)
-    every = math.ceil(total / save_freq) if total > 0 else 1
-    return min(keep, every) if keep > 0 else every
-
-
-def trainer_gpu_bytes(cfg: DictConfig, params: int) -> int:
-    """A lower bound of one trainer GPU's memory (activations and buffers not counted).
-
-    Per GPU = params / shards × (weight dtype + main grad) + Adam states kept on the GPU
-    / (shards × DP) + the reference model's weights (when a KL term needs it and it is not
-    offloaded), with shards = PP × max(TP, EP × ETP) and DP = trainer GPUs / (TP × PP × CP).
-    """
-    lay = megatron_layout(cfg)
-    shards = lay["pp"] * max(lay["tp"], lay["ep"] * lay["etp"])
-    dp = max(1, trainer_gpus(cfg) // (lay["tp"] * lay["pp"] * lay["cp"]))
-    weight = dtype_bytes(get(cfg, f"{MEGATRON}.dtype", "bfloat16"))
-    grad = dtype_bytes(get(cfg, f"{OPTIM}.main_grads_dtype", "fp32"), 4)
-    total = params * (weight + grad) / shards
-    on_gpu = 1.0 - optimizer_offload_fraction(cfg)
-    total += params * on_gpu * adam_bytes_per_param(cfg, with_grad=False) / (shards * dp)
-    needs_ref = bool(get(cfg, "actor_rollout_ref.actor.use_kl_loss", False)) or bool(
-        get(cfg, "algorithm.use_kl_in_reward", False)
+def probe_model(path: str) -> ModelFacts:
+    directory = local_model_dir(path)
+    if directory is None or not (directory / "config.json").is_file():
+        return ModelFacts()
+    config = json.loads((directory / "config.json").read_text())
+    index = directory / "model.safetensors.index.json"
+    weight_bytes = None
+    if index.is_file():
+        weight_bytes = json.loads(index.read_text()).get("metadata", {}).get("total_size")
+    if weight_bytes is None:
+        shards = list(directory.glob("*.safetensors"))
+        weight_bytes = sum(s.stat().st_size for s in shards) if shards else None
+    generation = directory / "generation_config.json"
+    stop_ids = eos_ids(config) + (eos_ids(json.loads(generation.read_text())) if generation.is_file() else ())
+    return ModelFacts(
+        str(directory),
+        config,
+        None if weight_bytes is None else int(weight_bytes),
+        tuple(sorted(set(stop_ids))),
+        end_of_turn(directory),
     )
-    if needs_ref and not bool(get(cfg, "actor_rollout_ref.ref.megatron.param_offload", False)):
-        total += params * weight / shards
-    return int(total)
 
 
-def gib(n: float) -> str:
-    return f"{n / GIB:.1f} GiB"
+def eos_ids(config: dict) -> tuple[int, ...]:
+    """``eos_token_id`` of a config file: one id, a list, or absent."""
+    value = config.get("eos_token_id")
+    return () if value is None else tuple(int(v) for v in (value if isinstance(value, list) else [value]))
+
+
+def end_of_turn(directory: Path) -> tuple[str, int] | None:
+    """The special token the tokenizer's chat template puts right after an assistant message,
+    found by rendering one exchange with transformers (local files only), or None."""
+    try:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(str(directory), local_files_only=True)
+        reply = "Answer: 42"
+        messages = [{"role": "user", "content": "What is 40 + 2?"}, {"role": "assistant", "content": reply}]
+        ids = list(tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True)["input_ids"])
+    except Exception:  # noqa: BLE001 (no tokenizer, no chat template: nothing to check)
+        return None
+    content = tokenizer.encode(reply, add_special_tokens=False)
+    starts = [i for i in range(len(ids) - len(content) + 1) if ids[i : i + len(content)] == content]
+    special = set(tokenizer.all_special_ids) | {
+        i for i, t in tokenizer.added_tokens_decoder.items() if getattr(t, "special", False)
+    }
+    after = [t for t in ids[starts[-1] + len(content) :] if t in special] if starts else []
+    return (tokenizer.convert_ids_to_tokens(after[0]), int(after[0])) if after else None
+
+
+def probe_data(paths: Sequence[str]) -> dict[str, dict[str, tuple[str, ...]] | str]:
+    """Each data file's columns (and struct fields), from the parquet schema alone."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    out: dict[str, dict[str, tuple[str, ...]] | str] = {}
+    for path in paths:
+        local = Path(path).expanduser()
+        if not local.is_file():
+            out[path] = "file not found"
+            continue
+        try:
+            schema = pq.read_schema(local)
+        except Exception as err:  # noqa: BLE001
+            out[path] = f"not a readable parquet file ({one_line(err)})"
+            continue
+        out[path] = {
+            f.name: tuple(f.type.field(i).name for i in range(f.type.num_fields)) if pa.types.is_struct(f.type) else ()
+            for f in schema
+        }
+    return out
+
+
+def gather(cfg: DictConfig) -> Facts:
+    """This node's facts for one resolved config (GPUs, packages, memory, disk, files)."""
+    import socket
+
+    import psutil
+    import torch
+
+    gpus, cuda_driver, gpu_error = probe_gpus()
+    versions, pins, conflicts = probe_packages()
+    imports, server_args = probe_imports()
+    engines, engine_errors = probe_checkpoint_engines()
+    memory = psutil.virtual_memory()
+    data_files = as_list(get(cfg, "data.train_files")) + as_list(get(cfg, "data.val_files"))
+    return Facts(
+        hostname=socket.gethostname(),
+        gpus=gpus,
+        gpu_error=gpu_error,
+        cuda_driver=cuda_driver,
+        cuda_runtime=torch.version.cuda,
+        python=(sys.version_info.major, sys.version_info.minor),
+        versions=versions,
+        extra_pins=pins,
+        requirement_conflicts=conflicts,
+        import_errors=imports,
+        sglang_server_args=server_args,
+        checkpoint_engines=engines,
+        checkpoint_engine_errors=engine_errors,
+        cupy_distributions=cupy_distributions(),
+        host_mem_available_bytes=int(memory.available),
+        host_mem_total_bytes=int(memory.total),
+        disk_free_bytes=probe_disk(str(get(cfg, "trainer.default_local_dir", get(cfg, "sat.run_dir", ".")))),
+        model=probe_model(str(get(cfg, "actor_rollout_ref.model.path", ""))),
+        data_schemas=probe_data(data_files),
+        reward_fn_error=probe_reward(cfg),
+    )

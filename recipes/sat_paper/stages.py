@@ -4,7 +4,7 @@ JSON summary, and on failure show the command's last lines.
 ``recipes/sat_paper/smoke_1gpu.sh`` runs each of its stages through this file, by path (it imports
 only the standard library, so a stage costs no ``import verl``)::
 
-    python verl_sat/preflight/stages.py --summary RUN_DIR/smoke_summary.json --name offload --timeout 1800 -- CMD...
+    python recipes/sat_paper/stages.py --summary RUN_DIR/smoke_summary.json --name offload --timeout 1800 -- CMD...
 
 The command's output goes to the console and to ``<summary dir>/stages/<name>.log``. The summary
 (``{"ok", "failed", "seconds", "stages": [{name, status, seconds, returncode, timeout, command,

@@ -32,7 +32,7 @@ Megatron engine imports and TransformerEngine. It prints one PASS/FAIL line per 
 JSON report and a bash file of the chosen mode (``SLOT_MODE``, ``SLOT_OVERRIDES``) that the smoke
 sources; exit 1 when an import fails or no mode works.
 
-Runs by path (``python verl_sat/preflight/gpu_env.py ...``): torch, ray and the probed packages
+Runs by path (``python recipes/sat_paper/gpu_env.py ...``): torch, ray and the probed packages
 are imported inside the functions only.
 """
 
