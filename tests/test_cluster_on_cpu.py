@@ -225,3 +225,25 @@ def test_grid_on_a_cluster_submits_each_cell_as_a_ray_job(tmp_path):
     assert sorted(table[1:]) == sorted(
         [f"grpo\t1\tdry-run\t0\t{tmp_path}/grpo-lag1", f"sat_gspo_r3\t8\tdry-run\t0\t{tmp_path}/sat_gspo_r3-lag8"]
     )
+
+
+def test_a_node_reports_the_paths_it_lacks_and_a_run_dir_that_is_not_the_drivers(tmp_path):
+    """What each node's task answers (``seen_on_node``), and the lines the driver and the preflight
+    print from it: a missing path names key, node and path; a directory there without the
+    driver's token is not the driver's."""
+    from verl_sat.preflight.cluster import Unseen, seen_on_node
+
+    run_dir, data = tmp_path / "run", tmp_path / "train.parquet"
+    run_dir.mkdir()
+    token_file = run_dir / ".cluster_token"
+    token_file.write_text("the driver's")
+    paths = {"sat.run_dir": [str(run_dir)], "data.train_files": [str(data)]}
+    seen = seen_on_node(paths, {"sat.run_dir": str(token_file)}, "the driver's")
+    assert seen == {"missing": {"data.train_files": [str(data)]}, "unseen": {}}
+    other = seen_on_node(paths, {"sat.run_dir": str(token_file)}, "another driver's")
+    assert other["unseen"] == {"sat.run_dir": [str(run_dir)]}
+    node = fake_node("b" * 16, 1)
+    missing = Unseen("data.train_files", str(data), node, missing=True)
+    unseen = Unseen("sat.run_dir", str(run_dir), node, missing=False)
+    assert missing.line() == f"data.train_files: {data} does not exist on node {node.name}"
+    assert unseen.line().startswith(f"sat.run_dir: {run_dir} on node {node.name} is not the driver's directory")

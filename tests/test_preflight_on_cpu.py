@@ -649,6 +649,22 @@ def test_done_when_the_preflight_on_the_base_models_config_dir(
     assert {(f["check"], f["level"]) for f in report["findings"]} == {("host_memory", "warn"), ("disk", "warn")}
 
 
+def test_main_checks_the_cluster_the_launch_joins(tmp_path: Path, monkeypatch) -> None:
+    """The launch's own address (the key, else RAY_ADDRESS) sends the same command to every node;
+    without one it checks this node (run.sh runs one command either way)."""
+    joined: list[str] = []
+    monkeypatch.setattr(cli, "on_the_cluster", lambda cfg, address, as_json: joined.append(address) or True)
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    args = ["sat_gspo_r3", "8", "--run-dir", str(tmp_path)]
+    assert cli.main([*args, "ray_kwargs.ray_init.address=10.0.0.1:6379"], gather_fn=good_facts) == 0
+    monkeypatch.setenv("RAY_ADDRESS", "10.0.0.2:6379")
+    assert cli.main(args, gather_fn=good_facts) == 0
+    assert cli.main([*args, "--address", "auto"], gather_fn=good_facts) == 0
+    assert joined == ["10.0.0.1:6379", "10.0.0.2:6379", "auto"]
+    monkeypatch.delenv("RAY_ADDRESS")
+    assert cli.main(args, gather_fn=good_facts) == 0 and len(joined) == 3  # this node only
+
+
 def run_sh(tmp_path: Path, *extra: str, **env: str) -> list[str]:
     """run.sh's DRY_RUN lines, with a stand-in interpreter answering its `--overrides` call."""
     fake_python = tmp_path / "python"

@@ -91,10 +91,13 @@ def resolve_cell(method: str, lag: int, overrides: Sequence[str] = (), run_dir: 
 
 
 def shared_dirs(cfg: DictConfig) -> dict[str, Path]:
-    """The run and checkpoint directories every node must share (key -> directory)."""
-    keys = ("sat.run_dir", "trainer.default_local_dir")
-    dirs = {k: Path(str(get(cfg, k))).expanduser().absolute() for k in keys if get(cfg, k)}
-    return {k: d for k, d in dirs.items() if d not in [dirs[j] for j in keys[: keys.index(k)] if j in dirs]}
+    """The run and checkpoint directories every node must share (key -> directory, each once)."""
+    dirs: dict[str, Path] = {}
+    for key in ("sat.run_dir", "trainer.default_local_dir"):
+        path = Path(str(get(cfg, key, ""))).expanduser().absolute()
+        if get(cfg, key) and path not in dirs.values():
+            dirs[key] = path
+    return dirs
 
 
 # ---------------------------------------------------------------------------------------------
