@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -14,6 +15,7 @@ import verl_sat.trainer.recipe  # noqa: F401  (registers the ConfigStore nodes t
 from verl_sat import SATPolicyLossConfig
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.append(str(REPO))  # the studies' shared code (studies/lib, not installed) imports as studies.lib
 SHARED_DATA = Path(os.environ.get("VERL_SAT_SHARED_DATA", REPO.parent / "shared" / "data"))
 # under CI=true every skip fails (tests/shared_data_ci.py); re-exported: the hooks
 from shared_data_ci import in_ci, pytest_make_collect_report, pytest_runtest_makereport  # noqa: E402, F401

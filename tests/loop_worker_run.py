@@ -6,7 +6,7 @@ into the test session, so the test runs it as a subprocess and reads the JSON it
 rollout (a fixed logit and router bias, routes recorded for R3), then, for each arm, takes one
 optimizer step on that batch
 
-- in the study loop (``verl_sat.study.loop.StudyLoop.update``), and
+- in the study loop (``studies.lib.loop.StudyLoop.update``), and
 - through the product's actor worker: verl's ``ActorRolloutRefWorker`` under ``AsyncSATActor``
   (``sat_ppo_loss``, the composed FSDP2 engine with R3 replay and the step's q), built by verl's
   own ``init_model`` from the composed ``sat_gspo_cpu`` config with ``sat.*`` mapped by
@@ -24,6 +24,7 @@ import copy
 import json
 import os
 import sys
+from pathlib import Path
 
 os.environ["VERL_PLATFORM"] = "cpu"
 os.environ["VERL_ENGINE_DEVICE"] = "cuda"  # verl's FSDP engine is registered under cuda
@@ -36,7 +37,8 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import verl  # noqa: E402, F401  (loads verl-sat's plugin: the CPU platform, the hf rollout, the losses)
 
-from verl_sat.study.loop import Batch, LoopConfig, StudyLoop, sat_activity  # noqa: E402
+sys.path.append(str(Path(__file__).resolve().parents[1]))  # the studies' shared code: studies.lib
+from studies.lib.loop import Batch, LoopConfig, StudyLoop, sat_activity  # noqa: E402
 
 PROMPTS, N, RESPONSE = 4, 4, 8  # one optimizer step: 16 responses of up to 8 tokens
 LR, MISMATCH_SEED = 4e-4, 7

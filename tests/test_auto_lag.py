@@ -273,8 +273,8 @@ def model_and_tokenizer():
 
 
 def test_the_study_loop_broadcasts_by_the_rule_and_keeps_the_staleness_bound(model_and_tokenizer, monkeypatch):
+    from studies.lib.loop import LoopConfig, StudyLoop
     from verl_sat.default import reward
-    from verl_sat.study.loop import LoopConfig, StudyLoop
 
     monkeypatch.setattr(reward, "compute_score", lambda source, text, answer: float(len(text) % 2))
     base = {"steps": 9, "prompts_per_step": 2, "rollout_n": 2, "max_response_length": 4, "lr": 1e-2}

@@ -111,9 +111,9 @@ def check_the_figures(autolag, figures: dict, out: Path, target: float) -> None:
     runs' metrics.jsonl."""
     import csv
 
+    from studies.lib.harness import smooth
+    from studies.lib.stats import paired_t_interval
     from verl_sat.files import read_metrics
-    from verl_sat.study.harness import smooth
-    from verl_sat.study.stats import paired_t_interval
 
     table = list(csv.DictReader((out / "autolag_runs.csv").open()))
     arms = ["lag 1", "lag 2", "auto"]
@@ -205,7 +205,7 @@ def test_docs_study_quotes_the_committed_autolag_results(autolag, protocol, resu
     from autolag.json's per-run lags, which the CSV leaves out)."""
     from collections import Counter
 
-    from verl_sat.study.stats import paired_t_interval
+    from studies.lib.stats import paired_t_interval
 
     plan = autolag.read_protocol(STUDY / protocol)
     stats = committed_autolag(results)

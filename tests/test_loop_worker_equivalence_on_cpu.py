@@ -5,7 +5,7 @@ platform) draws one batch from the loop's rollout (a fixed logit bias and router
 recorded), then for SAT-GSPO, GSPO, SAT-GRPO and GSPO + TIS (decoupled) takes one optimizer step
 on it from the same weights
 
-- in ``verl_sat.study.loop.StudyLoop.update``, and
+- in ``studies.lib.loop.StudyLoop.update``, and
 - through verl's ``ActorRolloutRefWorker.update_actor`` under ``AsyncSATActor``: the composed
   ``sat_gspo_cpu`` config with the arm's Hydra groups (``algorithm=...``, ``+stabilizer=tis``) and
   ``sat.routing_replay=R3``, the FSDP2 engine with verl-sat's R3 replay and step-q mixins,
@@ -172,12 +172,12 @@ def test_the_router_bias_is_the_same_draw_when_the_seeds_agree():
     stream); at verl's default ``rollout.seed=42`` they are not."""
     from hydra import compose, initialize_config_dir
 
+    from studies.lib.loop import LoopConfig, StudyLoop
     from verl_sat.default import model as tiny
     from verl_sat.files import hydra_config_dir
     from verl_sat.rollout.engine import GenerationRequest, HFEngine, _eos_ids
     from verl_sat.rollout.sampling import SamplingParams
     from verl_sat.rollout.server import engine_options
-    from verl_sat.study.loop import LoopConfig, StudyLoop
 
     torch.set_num_threads(1)
     tokenizer = tiny.build_tokenizer()

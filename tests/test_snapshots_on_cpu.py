@@ -232,9 +232,9 @@ HELDOUT_N = 64
 
 def check_heldout_rows(assets: Path, run_dir: Path, stdout: str) -> None:
     """The product's held-out numbers against the study's definition (sat.heldout, docs/study.md)."""
+    from studies.lib.loop import load_assets
     from verl_sat.default.heldout import heldout_accuracy, heldout_problems
     from verl_sat.files import read_jsonl
-    from verl_sat.study.loop import load_assets
 
     rows = {int(r["step"]): r["data"] for r in read_jsonl(run_dir / "metrics.jsonl")}
     model, tokenizer = load_assets(assets)

@@ -1,4 +1,4 @@
-"""verl_sat.study.harness: the run spec, the worker pool (two real workers on a tiny model, and a
+"""studies/lib/harness.py: the run spec, the worker pool (two real workers on a tiny model, and a
 rerun that skips what is complete) and the moving average."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from typing import Any, ClassVar
 
 import pytest
 
-from verl_sat.study import harness
+from studies.lib import harness
 
 ARMS = {
     "grpo": {"loss_mode": "sat", "sat_enabled": False, "loss_agg_mode": "token-mean"},

@@ -1,4 +1,4 @@
-"""The in-process study loop (verl_sat.study.loop): the trainer's log-probs line up with the
+"""The in-process study loop (studies/lib/loop.py): the trainer's log-probs line up with the
 rollout's, the lag sets the staleness, each mismatch knob does what it says, R3 removes the
 routing one, and bad settings name their field."""
 
@@ -8,9 +8,9 @@ import pytest
 import torch
 
 import verl_sat  # noqa: F401  (registers the SAT losses)
+from studies.lib.loop import LoopConfig, StudyLoop
 from verl_sat.default import model as tiny
 from verl_sat.rollout.engine import EngineOptions, HFEngine, fixed_logit_bias
-from verl_sat.study.loop import LoopConfig, StudyLoop
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +50,7 @@ def test_the_lag_sets_the_staleness_as_the_trainer_does(model_and_tokenizer, var
 
 
 def test_held_out_accuracy_is_the_trained_policys_on_problems_never_trained(model_and_tokenizer, varied_reward):
-    from verl_sat.study.loop import HELDOUT_GREEDY_KEY, HELDOUT_KEY, heldout_problems
+    from studies.lib.loop import HELDOUT_GREEDY_KEY, HELDOUT_KEY, heldout_problems
 
     model, tokenizer = model_and_tokenizer
     cfg = LoopConfig(steps=3, prompts_per_step=4, rollout_n=2, max_response_length=4, eval_problems=40, eval_at=(0, 2))

@@ -9,7 +9,7 @@
 The committed results: studies/autolag/results/ (protocol 1) and studies/autolag/results2/
 (protocol 2, study_protocol_autolag2.md).
 
-Every run is one ``verl_sat.study.loop.StudyLoop`` of SAT-GSPO + R3 in the regime of
+Every run is one ``studies.lib.loop.StudyLoop`` of SAT-GSPO + R3 in the regime of
 studies/confirmatory/study_protocol.md; the arms differ only in when the weights are broadcast: every 1, 4 or 8
 optimizer steps, or by ``verl_sat.trainer.auto_lag``'s rule (the object the trainer uses). The target of
 the auto arm comes from a pilot run by the protocol's rule (``pilot_target``). Everything the runs
@@ -44,8 +44,8 @@ from sat_study import (  # noqa: E402  (the run spec, provenance and per-run sta
     write_csv,
 )
 
-from verl_sat.study.harness import smooth  # noqa: E402
-from verl_sat.study.stats import paired_comparison, paired_t_interval  # noqa: E402
+from studies.lib.harness import smooth  # noqa: E402  (sat_study put the repository root on sys.path)
+from studies.lib.stats import paired_comparison, paired_t_interval  # noqa: E402
 from verl_sat.trainer.auto_lag import BROADCAST_KEY, LAG_KEY  # noqa: E402
 
 PROTOCOL = Path(__file__).resolve().parent / "study_protocol_autolag.md"
@@ -107,7 +107,7 @@ def autolag_stats(spec: Spec, rows: Sequence[dict[str, Any]], protocol: dict[str
 
 
 def paired_conditions(stats: Sequence[dict[str, Any]], a: str, b: str, key: str) -> dict[str, Any] | None:
-    """Per-seed differences of arm a - arm b (``verl_sat.study.stats.paired_comparison``)."""
+    """Per-seed differences of arm a - arm b (``studies.lib.stats.paired_comparison``)."""
 
     def cell(arm: str) -> dict[int, float]:
         return {s["seed"]: s[key] for s in stats if s["condition"] == arm and s.get(key) is not None}

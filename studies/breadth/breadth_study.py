@@ -32,7 +32,7 @@ PROTOCOL = HERE / "study_protocol_breadth.md"
 sys.path.insert(0, str(HERE.parent / "confirmatory"))
 import sat_study as base  # noqa: E402  (one harness: arms, specs, run statistics, protocol check)
 
-from verl_sat.study.stats import holm, mcnemar_exact  # noqa: E402
+from studies.lib.stats import holm, mcnemar_exact  # noqa: E402  (sat_study put the repository root on sys.path)
 
 PHASES = ("part1", "part2", "part3", "search", "confirm")
 KEY = "heldout_acc"

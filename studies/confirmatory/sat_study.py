@@ -1,9 +1,9 @@
 """SAT's working range, and the pre-registered study of what SAT does in it (docs/study.md).
 
-Every run is one :class:`verl_sat.study.loop.StudyLoop` (the CPU trainer's HF rollout engine,
+Every run is one :class:`studies.lib.loop.StudyLoop` (the CPU trainer's HF rollout engine,
 verl's registered losses, GRPO advantage and rollout correction, one process; docs/study.md says
 what it does and does not exercise), run on ``--jobs`` worker processes that load the assets once
-(:func:`verl_sat.study.harness.run_all`).
+(:func:`studies.lib.harness.run_all`).
 
     python studies/confirmatory/sat_study.py search --out runs/sat_search     # baselines only, search seeds
     python studies/confirmatory/sat_study.py primary --out runs/sat_study     # the protocol's primary contrast
@@ -26,7 +26,7 @@ commit and blob hashes and the assets' fingerprint.
 Primary metric: the *trained* policy's accuracy on a fixed held-out set (``eval/heldout_acc``:
 512 problems never trained on, temperature 1, the same random numbers in every run), at the last
 step and at fixed checkpoints. Analysis: per-seed paired differences, a paired t-interval at 95%,
-the exact Wilcoxon signed-rank test and the exact sign-flip permutation test (verl_sat.study.stats).
+the exact Wilcoxon signed-rank test and the exact sign-flip permutation test (studies.lib.stats).
 """
 
 from __future__ import annotations
@@ -46,20 +46,21 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any, ClassVar
 
-from verl_sat.files import METRICS_FILE, read_metrics
-from verl_sat.study import harness
-from verl_sat.study.harness import run_all, smooth
-from verl_sat.study.loop import HELDOUT_GREEDY_KEY, HELDOUT_KEY
-from verl_sat.study.stats import (
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parents[1]
+sys.path.insert(0, str(REPO))  # the studies' shared code: studies.lib
+from studies.lib import harness  # noqa: E402
+from studies.lib.harness import run_all, smooth  # noqa: E402
+from studies.lib.loop import HELDOUT_GREEDY_KEY, HELDOUT_KEY  # noqa: E402
+from studies.lib.stats import (  # noqa: E402
     cpu_sentinel_config,
     final_mean,
     paired_comparison,
     paired_t_interval,
     replay_sentinel,
 )
+from verl_sat.files import METRICS_FILE, read_metrics  # noqa: E402
 
-HERE = Path(__file__).resolve().parent
-REPO = HERE.parents[1]
 PROTOCOL = HERE / "study_protocol.md"
 RADIUS = math.log1p(0.2)  # log(1 + eps_high): SAT's positive-side band is empty for q above it
 REWARD_KEY, DBAR_PI_KEY = "critic/score/mean", "actor/mismatch_abs_mean"
@@ -305,7 +306,7 @@ def assets_fingerprint(assets: Path) -> str:
 
 # -- analysis -----------------------------------------------------------------------------------
 def paired(stats: Sequence[dict[str, Any]], arm: str, ref: str, lag: int, key: str, tag: str = "") -> dict | None:
-    """Per-seed differences arm - ref at ``lag`` (``verl_sat.study.stats.paired_comparison``)."""
+    """Per-seed differences arm - ref at ``lag`` (``studies.lib.stats.paired_comparison``)."""
 
     def cell(name: str) -> dict[int, float]:
         return {

@@ -39,9 +39,9 @@ PROTOCOL = HERE / "study_protocol_product.md"
 sys.path.insert(0, str(HERE.parent / "confirmatory"))
 from sat_study import RADIUS, assets_fingerprint, protocol_state, read_protocol  # noqa: E402  (one protocol check)
 
+from studies.lib.stats import final_mean, paired_comparison  # noqa: E402  (sat_study put the repository root on sys.path)
 from verl_sat.default.heldout import HELDOUT_GREEDY_KEY, HELDOUT_KEY  # noqa: E402
 from verl_sat.files import read_jsonl  # noqa: E402
-from verl_sat.study.stats import final_mean, paired_comparison  # noqa: E402
 from verl_sat.trainer.heldout import STEP_KEY  # noqa: E402
 
 LOOP_RUNS = REPO / "studies" / "confirmatory" / "results" / "runs.csv"
@@ -166,7 +166,7 @@ def loop_pairs(seeds: Sequence[int], protocol: dict[str, Any]) -> dict[str, Any]
 
 
 def compare(a: dict[int, float], b: dict[int, float]) -> dict[str, Any] | None:
-    """verl_sat.study.stats.paired_comparison, plus the count of positive pairs."""
+    """studies.lib.stats.paired_comparison, plus the count of positive pairs."""
     c = paired_comparison(a, b)
     return c and {**c, "positive": sum(d > 0 for d in c["diffs"])}
 

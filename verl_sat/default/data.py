@@ -16,6 +16,7 @@ import argparse
 import random
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 DATA_SOURCE = "verl_sat/arith"
 
@@ -24,6 +25,9 @@ TEMPLATE = "{problem} End with the line Answer: $Answer"
 
 MAX_OPERAND = 99
 """Operands are drawn from [0, MAX_OPERAND]."""
+
+HELDOUT_SEED = 20261201
+"""Seed of the study's held-out set (``sat.heldout.seed``'s default, verl_sat.default.heldout)."""
 
 
 @dataclass(frozen=True)
@@ -63,6 +67,12 @@ def make_prompt(problem: Problem) -> str:
     return TEMPLATE.format(problem=problem.text)
 
 
+def prompt_ids(tokenizer: Any, problem: Problem) -> list[int]:
+    """Token ids of the problem's chat prompt, generation prompt included (what the rollout sees)."""
+    messages = [{"role": "user", "content": make_prompt(problem)}]
+    return list(tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True)["input_ids"])
+
+
 def to_row(problem: Problem, split: str, index: int) -> dict:
     """A verl RL-dataset row."""
     return {
@@ -86,12 +96,23 @@ def sample_problems(
     return out
 
 
+def heldout_problems(n: int, seed: int = HELDOUT_SEED) -> list[Problem]:
+    """``n`` distinct sums from a seeded generator: the fixed held-out set (never trained on)."""
+    rng, seen, out = random.Random(seed), set(), []
+    while len(out) < n:
+        problem = sample_problem(rng)
+        if (problem.a, problem.b) not in seen:
+            seen.add((problem.a, problem.b))
+            out.append(problem)
+    return out
+
+
 def write_parquet(
     out_dir: str | Path, n_train: int = 2048, n_val: int = 64, seed: int = 0, exclude_heldout: int = 0
 ) -> tuple[Path, Path]:
     """Write ``train.parquet`` and ``val.parquet`` under ``out_dir`` and return their paths.
     ``exclude_heldout`` = N > 0: no training problem is one of the N held-out sums
-    (``verl_sat.default.heldout``, its default seed), as in the study."""
+    (:func:`heldout_problems`, its default seed), as in the study."""
     import pandas as pd
 
     out = Path(out_dir)
@@ -99,8 +120,6 @@ def write_parquet(
     paths = []
     excluded: set[tuple[int, int]] = set()
     if exclude_heldout > 0:
-        from verl_sat.default.heldout import heldout_problems
-
         excluded = {(p.a, p.b) for p in heldout_problems(exclude_heldout)}
     for split, n, split_seed in (("train", n_train, seed), ("val", n_val, seed + 1)):
         problems = sample_problems(n, split_seed, excluded if split == "train" else frozenset())

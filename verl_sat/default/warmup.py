@@ -71,15 +71,9 @@ class WarmupArgs:
             raise ValueError(f"WarmupArgs.check_every must be >= 1, got {self.check_every}")
 
 
-def prompt_ids(tokenizer: Any, problem: task.Problem) -> list[int]:
-    """Token ids of the problem's chat prompt, generation prompt included (what the rollout sees)."""
-    messages = [{"role": "user", "content": task.make_prompt(problem)}]
-    return list(tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True)["input_ids"])
-
-
 def encode_example(tokenizer: Any, problem: task.Problem) -> tuple[list[int], int]:
     """Token ids of chat prompt + solution + EOS, and the prompt length."""
-    prompt = prompt_ids(tokenizer, problem)
+    prompt = task.prompt_ids(tokenizer, problem)
     response_ids = tokenizer(problem.solution, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
     return prompt + response_ids, len(prompt)
 

@@ -324,13 +324,12 @@ class StudyLoop:
         """``prompts_per_step`` fresh problems x ``rollout_n`` responses from the rollout (mu)."""
         from verl_sat.default import data as task
         from verl_sat.default.reward import compute_score
-        from verl_sat.default.warmup import prompt_ids
         from verl_sat.rollout.engine import GenerationRequest
         from verl_sat.rollout.sampling import SamplingParams
 
         cfg = self.cfg
         problems = [self._training_problem(task) for _ in range(cfg.prompts_per_step)]
-        prompts = [prompt_ids(self.tokenizer, p) for p in problems]
+        prompts = [task.prompt_ids(self.tokenizer, p) for p in problems]
         params = SamplingParams(temperature=1.0, top_k=-1, top_p=1.0)
         requests = [
             GenerationRequest(prompt, params, cfg.max_response_length)

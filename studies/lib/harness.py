@@ -2,9 +2,9 @@
 
 A study (studies/confirmatory/sat_study.py, studies/autolag/autolag_study.py) names each run by a
 :class:`Spec`: an arm at a lag and a seed, with the study's settings; a subclass gives the arm
-table that turns it into a :class:`verl_sat.study.loop.LoopConfig`. :func:`run_all` runs the specs
+table that turns it into a :class:`studies.lib.loop.LoopConfig`. :func:`run_all` runs the specs
 on ``jobs`` worker processes, each of which imports verl-sat and loads the default's assets once
-(:func:`worker_init`) and then builds one :class:`~verl_sat.study.loop.StudyLoop` per run in a
+(:func:`worker_init`) and then builds one :class:`~studies.lib.loop.StudyLoop` per run in a
 fraction of a second (:func:`run_in_worker`); a run already complete in the output directory is
 skipped, so a cut-short study resumes. :func:`smooth` is the trailing moving average the figures
 draw. docs/study.md reports the studies.
@@ -20,8 +20,8 @@ from multiprocessing import get_context
 from pathlib import Path
 from typing import Any, ClassVar
 
+from studies.lib.loop import LoopConfig, StudyLoop, load_assets
 from verl_sat.files import METRICS_FILE
-from verl_sat.study.loop import LoopConfig, StudyLoop, load_assets
 
 
 @dataclass(frozen=True)
