@@ -10,6 +10,8 @@ in the directory; a ``.jsonl`` file may also be given directly), and optionally 
 (``{"method": "sat_gspo_r3", "lag": 8}``). Without ``run.json`` the method and lag come from
 the directory name, ``<method>-lag<n>[-anything]``.
 
+A run is a pandas DataFrame (a row per step, a column per metric); Table 1 is one of our runs merged with the paper's.
+
 Outputs in OUT_DIR (metric definitions: docs/eval.md):
 
 - ``table1.md`` / ``table1.csv`` / ``report.json``: one row per run: best AIME24 and its step,
@@ -21,14 +23,15 @@ Outputs in OUT_DIR (metric definitions: docs/eval.md):
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import math
 import re
-from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+import pandas as pd
 
 from verl_sat.files import read_metrics
 from verl_sat.paper.table import LAGS, PAPER_TABLE1, normalize_method
@@ -48,8 +51,12 @@ ACC_KEY_PATTERNS = (
 )
 # One epoch of the paper's data: 30,712 prompts / 256 per iteration ~ 120 iterations (docs/reproduce.md).
 DEFAULT_LAST_N = 120
-
-Series = list[tuple[int, float]]
+# samples.md: column -> key of run.json's "samples" (docs/faults.md).
+SAMPLE_COLUMNS = {
+    "prompts trained": "prompts_trained", "responses": "responses_trained", "repeated": "repeated",
+    "skipped": "skipped", "lost in flight": "lost_in_flight", "in flight at end": "in_flight_at_end",
+    "regenerated": "regenerated",
+}  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------------
@@ -59,33 +66,29 @@ Series = list[tuple[int, float]]
 
 @dataclass
 class Run:
-    """One training run: where it came from, its method and lag, and every metric as a series."""
+    """One training run: where it came from, its method and lag, and its metrics by step."""
 
     name: str
     path: Path
     method: str
     lag: int
-    metrics: dict[str, dict[int, float]] = field(default_factory=dict)
+    metrics: pd.DataFrame = field(default_factory=pd.DataFrame)  # index: step; a column per metric
     record: dict[str, Any] = field(default_factory=dict)  # run.json (samples, sentinel: docs/faults.md)
 
-    def series(self, key: str) -> Series:
-        """``[(step, value), ...]`` sorted by step ([] when the run never logged ``key``)."""
-        return sorted(self.metrics.get(key, {}).items())
+    def series(self, key: str | None) -> pd.Series:
+        """The metric ``key`` by step, steps without it left out (empty when never logged)."""
+        return self.metrics[key].dropna() if key in self.metrics else pd.Series(dtype=float)
 
 
 def _is_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
-def metric_series(path: Path) -> dict[str, dict[int, float]]:
-    """``{metric: {step: value}}`` of a metrics JSONL (``verl_sat.files.read_metrics``, strict;
-    later lines win). Non-numeric and non-finite values are skipped."""
-    metrics: dict[str, dict[int, float]] = {}
-    for row in read_metrics(path, strict=True):
-        for key, value in row.items():
-            if key != "step" and _is_number(value):
-                metrics.setdefault(key, {})[row["step"]] = float(value)
-    return metrics
+def metric_frame(path: Path) -> pd.DataFrame:
+    """A metrics JSONL (``verl_sat.files.read_metrics``, strict) as one row per step and one column
+    per metric. Lines of one step are merged, later wins; non-numeric and non-finite values are skipped."""
+    rows = [{k: v for k, v in row.items() if _is_number(v)} for row in read_metrics(path, strict=True)]
+    return pd.DataFrame(rows or {"step": []}).groupby("step").last().astype(float)
 
 
 def _metrics_file(path: Path) -> Path:
@@ -126,17 +129,14 @@ def load_run(path: str | Path) -> Run:
             raise ValueError(f"{meta_path}: not valid JSON ({exc.msg})") from exc
     if meta.get("lag") == "auto":  # sat.lag=auto: reported at its staleness bound
         meta = {**meta, "lag": int((meta.get("auto_lag") or {}).get("max", 8))}
-    if "method" in meta and "lag" in meta:
-        method, lag = normalize_method(str(meta["method"])), int(meta["lag"])
-    else:
-        method, lag = infer_method_lag(name)
-        method, lag = normalize_method(str(meta.get("method", method))), int(meta.get("lag", lag))
-    metrics = metric_series(metrics_path)
+    method, lag = (meta["method"], meta["lag"]) if "method" in meta and "lag" in meta else infer_method_lag(name)
+    method, lag = normalize_method(str(meta.get("method", method))), int(meta.get("lag", lag))
+    metrics = metric_frame(metrics_path)
     return Run(name=str(meta.get("name", name)), path=path, method=method, lag=lag, metrics=metrics, record=meta)
 
 
 # ---------------------------------------------------------------------------------------------
-# Row statistics
+# Series and rows
 # ---------------------------------------------------------------------------------------------
 
 
@@ -149,27 +149,16 @@ def find_acc_key(keys: Sequence[str], patterns: Sequence[str] = ACC_KEY_PATTERNS
     return None
 
 
-def as_percent(series: Series) -> Series:
-    """Accuracy in percent: a series whose values are all <= 1 is a fraction and is scaled by 100."""
-    if series and max(v for _, v in series) <= 1.0:
-        return [(s, 100.0 * v) for s, v in series]
-    return series
+def acc_series(run: Run, acc_key: str | None = None) -> pd.Series:
+    """AIME24 accuracy by step in percent (``acc_key``, else ``find_acc_key``): a series whose
+    values are all <= 1 is a fraction and is scaled by 100."""
+    series = run.series(acc_key if acc_key is not None else find_acc_key(list(run.metrics)))
+    return series * 100.0 if len(series) and series.max() <= 1.0 else series
 
 
-def best_point(series: Series) -> tuple[int, float] | None:
-    """``(step, value)`` of the maximum (earliest step on ties), or None for an empty series."""
-    if not series:
-        return None
-    best = max(v for _, v in series)
-    return next((s, v) for s, v in series if v == best)
-
-
-def last_n_mean(series: Series, n: int) -> float | None:
-    """Mean of the values of the last ``n`` logged steps (all of them when fewer)."""
-    if not series:
-        return None
-    tail = series[-n:]
-    return sum(v for _, v in tail) / len(tail)
+def reward_series(run: Run) -> pd.Series:
+    """The run's mean reward by step (the first of ``REWARD_KEYS`` it logged)."""
+    return next((run.series(key) for key in REWARD_KEYS if key in run.metrics), pd.Series(dtype=float))
 
 
 @dataclass(frozen=True)
@@ -196,126 +185,69 @@ class CollapseRule:
         if self.min_points < 2:
             raise ValueError(f"collapse.min_points must be >= 2, got {self.min_points}")
 
-    def collapsed(self, series: Series) -> bool | None:
+    def collapsed(self, series: pd.Series) -> bool | None:
         """True / False, or None when the series is too short to tell."""
-        values = [v for _, v in series]
+        values = pd.Series(series, dtype=float).reset_index(drop=True)
         n = len(values)
         if n < self.min_points:
             return None
-        head = sorted(values[: max(1, math.ceil(self.head_frac * n))])
-        baseline = head[len(head) // 2] if len(head) % 2 else 0.5 * (head[len(head) // 2 - 1] + head[len(head) // 2])
-        window = max(1, math.ceil(self.window_frac * n))
-        peak = max(values)
-        peak_index = values.index(peak)
-        late = sum(values[-window:]) / window
-        if peak <= baseline or peak_index >= n - window:
+        baseline = values.iloc[: math.ceil(self.head_frac * n)].median()
+        window = math.ceil(self.window_frac * n)
+        peak, late = values.max(), values.iloc[-window:].mean()
+        if peak <= baseline or values.idxmax() >= n - window:  # idxmax: the first peak's position
             return False
-        return peak - late >= self.drop * (peak - baseline)
+        return bool(peak - late >= self.drop * (peak - baseline))
 
 
-@dataclass
-class Row:
-    """One row of table1: our run's numbers beside the paper's (accuracies in percent)."""
-
-    method: str
-    lag: int
-    run: str
-    acc_key: str | None
-    best_acc: float | None
-    best_step: int | None
-    final_acc: float | None
-    dbar_pi: float | None
-    dbar_steps: int
-    collapse: str
-    paper_label: str | None
-    paper_acc: float | None
-    paper_dbar_pi: float | None
-    paper_collapse: str
-
-    @property
-    def acc_diff(self) -> float | None:
-        return None if self.best_acc is None or self.paper_acc is None else self.best_acc - self.paper_acc
-
-    @property
-    def dbar_diff(self) -> float | None:
-        return None if self.dbar_pi is None or self.paper_dbar_pi is None else self.dbar_pi - self.paper_dbar_pi
-
-
-def _paper_cells(method: str, lag: int) -> tuple[str | None, float | None, float | None, str]:
-    row = PAPER_TABLE1.get(method)
-    if row is None:
-        return None, None, None, "–"
-    collapse = "yes" if lag in row.collapses_later else ("no" if lag in row.aime24 else "–")
-    return row.label, row.aime24.get(lag), row.dbar_pi.get(lag), collapse
-
-
-def reward_series(run: Run) -> Series:
-    """The run's mean reward per step (the first of ``REWARD_KEYS`` it logged)."""
-    for key in REWARD_KEYS:
-        if key in run.metrics:
-            return run.series(key)
-    return []
-
-
-def build_row(
-    run: Run, last_n: int = DEFAULT_LAST_N, rule: CollapseRule | None = None, acc_key: str | None = None
-) -> Row:
-    """The table1 row of one run."""
-    rule = rule or CollapseRule()
+def run_row(run: Run, last_n: int, rule: CollapseRule, acc_key: str | None = None) -> dict[str, Any]:
+    """Our half of one table1 row: best AIME24 and its step (earliest on ties), the mean
+    ``dbar_pi`` of the last ``last_n`` logged steps, and the collapse flag of the reward and the accuracy."""
     key = acc_key if acc_key is not None else find_acc_key(list(run.metrics))
-    acc = as_percent(run.series(key)) if key else []
-    best = best_point(acc)
-    dbar = run.series(DBAR_PI_KEY)
+    acc, dbar = acc_series(run, key), run.series(DBAR_PI_KEY).tail(last_n)
     flags = {"reward": rule.collapsed(reward_series(run)), "acc": rule.collapsed(acc)}
     hits = [name for name, flag in flags.items() if flag]
-    if hits:
-        collapse = "yes (" + ", ".join(hits) + ")"
-    else:
-        collapse = "no" if any(flag is False for flag in flags.values()) else "n/a"
-    label, paper_acc, paper_dbar, paper_collapse = _paper_cells(run.method, run.lag)
-    return Row(
-        method=run.method,
-        lag=run.lag,
-        run=run.name,
-        acc_key=key,
-        best_acc=None if best is None else best[1],
-        best_step=None if best is None else best[0],
-        final_acc=acc[-1][1] if acc else None,
-        dbar_pi=last_n_mean(dbar, last_n),
-        dbar_steps=min(len(dbar), last_n),
-        collapse=collapse,
-        paper_label=label,
-        paper_acc=paper_acc,
-        paper_dbar_pi=paper_dbar,
-        paper_collapse=paper_collapse,
-    )
+    collapse = "yes (" + ", ".join(hits) + ")" if hits else ("no" if False in flags.values() else "n/a")
+    return {
+        "method": run.method, "lag": run.lag, "run": run.name, "acc_key": key,
+        "best_acc": acc.max(), "best_step": acc.idxmax() if len(acc) else None,
+        "final_acc": acc.iloc[-1] if len(acc) else None, "dbar_pi": dbar.mean(), "dbar_steps": len(dbar),
+        "collapse": collapse,
+    }  # fmt: skip
 
 
-def _method_order(method: str) -> int:
-    keys = list(PAPER_TABLE1)
-    return keys.index(method) if method in keys else len(keys)
+def paper_frame() -> pd.DataFrame:
+    """The paper's Table 1 (``PAPER_TABLE1``), one row per (method, lag)."""
+    return pd.DataFrame(
+        [
+            {"method": method, "lag": lag, "paper_label": row.label, "paper_acc": row.aime24.get(lag),
+             "paper_dbar_pi": row.dbar_pi.get(lag), "paper_collapse": "yes" if lag in row.collapses_later else "no"}
+            for method, row in PAPER_TABLE1.items()
+            for lag in LAGS
+        ]
+    )  # fmt: skip
 
 
-def build_rows(
+def method_rank(methods: Iterable[str]) -> dict[str, int]:
+    """The paper's table order, then any other method by name."""
+    return {m: i for i, m in enumerate([*PAPER_TABLE1, *sorted(set(methods) - set(PAPER_TABLE1))])}
+
+
+def build_table(
     runs: Sequence[Run],
     last_n: int = DEFAULT_LAST_N,
     rule: CollapseRule | None = None,
     acc_key: str | None = None,
     all_paper_rows: bool = False,
-) -> list[Row]:
-    """Rows for every run (paper table order, then lag, then run name); optionally the paper's other rows."""
-    rows = [build_row(run, last_n, rule, acc_key) for run in runs]
-    if all_paper_rows:
-        present = {(r.method, r.lag) for r in rows}
-        for method in PAPER_TABLE1:
-            for lag in LAGS:
-                if (method, lag) not in present:
-                    label, paper_acc, paper_dbar, paper_collapse = _paper_cells(method, lag)
-                    rows.append(
-                        Row(method, lag, "–", None, None, None, None, None, 0, "–", label, paper_acc, paper_dbar,
-                            paper_collapse)
-                    )  # fmt: skip
-    return sorted(rows, key=lambda r: (_method_order(r.method), r.method, r.lag, r.run))
+) -> pd.DataFrame:
+    """Table 1: a row per run beside the paper's (method, lag) and the differences, in the paper's
+    order, then lag, then run name; ``all_paper_rows`` adds the paper's rows we have no run for."""
+    ours = pd.DataFrame([run_row(run, last_n, rule or CollapseRule(), acc_key) for run in runs])
+    table = ours.merge(paper_frame(), on=["method", "lag"], how="outer" if all_paper_rows else "left")
+    table = table.fillna({"run": "–", "collapse": "–", "dbar_steps": 0, "paper_collapse": "–"})
+    table = table.assign(acc_diff=table.best_acc - table.paper_acc, dbar_diff=table.dbar_pi - table.paper_dbar_pi)
+    rank = method_rank(table.method)
+    table = table.sort_values(["method", "lag", "run"], key=lambda c: c.map(rank) if c.name == "method" else c)
+    return table.astype({"best_step": "Int64", "dbar_steps": int}).reset_index(drop=True)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -323,87 +255,64 @@ def build_rows(
 # ---------------------------------------------------------------------------------------------
 
 
-def _fmt(value: float | None, spec: str, signed: bool = False) -> str:
-    if value is None:
-        return "–"
-    digits = int(spec.strip(".f"))
-    return format(round(value, digits) + 0.0, ("+" if signed else "") + spec)  # + 0.0: no "-0.0000"
+def markdown(cells: pd.DataFrame) -> str:
+    """A markdown table of string cells (pandas' ``to_markdown`` needs tabulate, not a dependency)."""
+    lines = ["| " + " | ".join(cells.columns) + " |", "|" + "---|" * cells.shape[1]]
+    lines += ["| " + " | ".join(row) + " |" for row in cells.itertuples(index=False)]
+    return "\n".join(lines) + "\n"
 
 
-def format_table1(rows: Sequence[Row], last_n: int = DEFAULT_LAST_N) -> str:
+def _fmt(column: pd.Series, spec: str) -> pd.Series:
+    """Each value formatted by ``spec``, "–" when missing (``+ 0.0``: no "-0.0000")."""
+    digits = int(spec.strip("+.f"))
+    return column.map(lambda v: "–" if pd.isna(v) else format(round(v, digits) + 0.0, spec))
+
+
+def format_table1(table: pd.DataFrame, last_n: int = DEFAULT_LAST_N) -> str:
     """table1.md: our runs beside the paper's Table 1 (AIME24 in percent)."""
-    header = (
-        "| method | lag | run | AIME24 best (ours) | at step | AIME24 (paper) | Δ AIME24 "
-        f"| dbar_pi last {last_n} (ours) | dbar_pi (paper) | Δ dbar_pi | collapse (ours) | collapses (paper) |"
-    )
-    lines = [
-        "# AIME24 and last-epoch mismatch: our runs beside the paper's Table 1",
-        "",
-        header,
-        "|" + "---|" * 12,
-    ]
-    for r in rows:
-        method = f"{r.method} ({r.paper_label})" if r.paper_label else r.method
-        cells = [
-            method,
-            str(r.lag),
-            r.run,
-            _fmt(r.best_acc, ".2f"),
-            "–" if r.best_step is None else str(r.best_step),
-            _fmt(r.paper_acc, ".2f"),
-            _fmt(r.acc_diff, ".2f", signed=True),
-            _fmt(r.dbar_pi, ".4f"),
-            _fmt(r.paper_dbar_pi, ".4f"),
-            _fmt(r.dbar_diff, ".4f", signed=True),
-            r.collapse,
-            r.paper_collapse,
-        ]
-        lines.append("| " + " | ".join(cells) + " |")
-    lines += [
-        "",
+    cells = pd.DataFrame({
+        "method": table.method.where(table.paper_label.isna(), table.method + " (" + table.paper_label + ")"),
+        "lag": table.lag.astype(str),
+        "run": table.run,
+        "AIME24 best (ours)": _fmt(table.best_acc, ".2f"),
+        "at step": table.best_step.astype("string").fillna("–"),
+        "AIME24 (paper)": _fmt(table.paper_acc, ".2f"),
+        "Δ AIME24": _fmt(table.acc_diff, "+.2f"),
+        f"dbar_pi last {last_n} (ours)": _fmt(table.dbar_pi, ".4f"),
+        "dbar_pi (paper)": _fmt(table.paper_dbar_pi, ".4f"),
+        "Δ dbar_pi": _fmt(table.dbar_diff, "+.4f"),
+        "collapse (ours)": table.collapse,
+        "collapses (paper)": table.paper_collapse,
+    })  # fmt: skip
+    notes = [
         "AIME24: the best avg@k over the run's evaluations (percent), as the paper reports the best checkpoint.",
         f"dbar_pi: mean of `{DBAR_PI_KEY}` over the last {last_n} logged steps (the paper: the last epoch).",
         "Collapse: the reward or the accuracy lost at least half of its gain late in training (docs/eval.md).",
         "Paper: Yang et al. 2026, arXiv 2607.18722, Table 1 (Qwen3-30B-A3B-Base, single seeds).",
     ]
-    return "\n".join(lines) + "\n"
-
-
-def write_table_files(rows: Sequence[Row], out: Path, last_n: int) -> None:
-    """table1.md, table1.csv and report.json."""
-    (out / "table1.md").write_text(format_table1(rows, last_n), encoding="utf-8")
-    records = [{**asdict(r), "acc_diff": r.acc_diff, "dbar_diff": r.dbar_diff} for r in rows]
-    with (out / "table1.csv").open("w", newline="", encoding="utf-8") as fh:
-        writer = csv.DictWriter(fh, fieldnames=list(records[0]) if records else ["method"])
-        writer.writeheader()
-        writer.writerows(records)
-    (out / "report.json").write_text(json.dumps({"last_n": last_n, "rows": records}, indent=2) + "\n", encoding="utf-8")
+    title = "# AIME24 and last-epoch mismatch: our runs beside the paper's Table 1"
+    return f"{title}\n\n{markdown(cells)}\n" + "\n".join(notes) + "\n"
 
 
 def samples_table(runs: Sequence[Run]) -> str:
     """samples.md: each run's sample accounting and sentinel record from run.json (docs/faults.md)."""
-
-    def n(value: Any) -> str:
-        return "-" if value is None else str(len(value) if isinstance(value, list) else value)
-
-    lines = [
-        "| run | prompts trained | responses | repeated | skipped | lost in flight | in flight at end | "
-        "regenerated | rollbacks | collapsed |",
-        "|---|---|---|---|---|---|---|---|---|---|",
-    ]
+    rows = []
     for run in runs:
-        s, sentinel = run.record.get("samples"), run.record.get("sentinel") or {}
-        if s is None:
-            continue
-        collapsed = "yes" if (sentinel.get("verdict") or {}).get("collapsed") else "no"
-        cells = [s.get(k) for k in ("prompts_trained", "responses_trained", "repeated", "skipped")]
-        cells += [s.get(k) for k in ("lost_in_flight", "in_flight_at_end", "regenerated")]
-        cells += [sentinel.get("rollbacks", []), collapsed]
-        lines.append(f"| {run.name} | " + " | ".join(n(c) for c in cells) + " |")
-    return "\n".join(lines) + "\n"
+        samples, sentinel = run.record.get("samples"), run.record.get("sentinel") or {}
+        if samples is not None:
+            collapsed = "yes" if (sentinel.get("verdict") or {}).get("collapsed") else "no"
+            counts = [samples.get(key) for key in SAMPLE_COLUMNS.values()]
+            rows.append([run.name, *counts, sentinel.get("rollbacks", []), collapsed])
+    cells = pd.DataFrame(rows, columns=["run", *SAMPLE_COLUMNS, "rollbacks", "collapsed"], dtype=object)
+    return markdown(cells.map(lambda v: "-" if v is None else str(len(v) if isinstance(v, list) else v)))
 
 
-def write_samples_table(runs: Sequence[Run], out: Path) -> None:
+def write_tables(table: pd.DataFrame, runs: Sequence[Run], out: Path, last_n: int) -> None:
+    """table1.md, table1.csv, report.json, and samples.md when a run.json has sample accounting."""
+    (out / "table1.md").write_text(format_table1(table, last_n), encoding="utf-8")
+    table.to_csv(out / "table1.csv", index=False)
+    records = table.astype(object).where(table.notna(), None).to_dict("records")
+    (out / "report.json").write_text(json.dumps({"last_n": last_n, "rows": records}, indent=2) + "\n", encoding="utf-8")
     if any("samples" in run.record for run in runs):
         (out / "samples.md").write_text(samples_table(runs), encoding="utf-8")
 
@@ -422,13 +331,6 @@ def _pyplot():
     return plt
 
 
-def _colors(methods: Sequence[str]) -> dict[str, Any]:
-    plt = _pyplot()
-    cmap = plt.get_cmap("tab20")
-    ordered = sorted(set(methods), key=lambda m: (_method_order(m), m))
-    return {m: cmap(i % 20) for i, m in enumerate(ordered)}
-
-
 # Runs of one method share its colour and differ in line style, then marker (24 runs a method).
 LINESTYLES = ("-", "--", ":", "-.")
 MARKERS = (None, "o", "s", "^", "D", "v")
@@ -444,12 +346,11 @@ def run_label(run: Run) -> str:
 def run_styles(runs: Sequence[Run]) -> list[dict[str, Any]]:
     """``plot`` keywords for each run (aligned with ``runs``): a colour per method, and a line style
     (then a marker) per run of that method, so that no two runs are drawn alike."""
-    colors = _colors([r.method for r in runs])
-    seen: dict[str, int] = {}
+    methods = pd.Series([run.method for run in runs], dtype=object)
+    rank, cmap = method_rank(methods), _pyplot().get_cmap("tab20")
+    colors = {m: cmap(i % 20) for i, m in enumerate(sorted(set(methods), key=rank.__getitem__))}
     styles = []
-    for run in runs:
-        k = seen.get(run.method, 0)
-        seen[run.method] = k + 1
+    for run, k in zip(runs, methods.groupby(methods).cumcount(), strict=True):  # k: the run's rank in its method
         style: dict[str, Any] = {"color": colors[run.method], "ls": LINESTYLES[k % len(LINESTYLES)]}
         marker = MARKERS[(k // len(LINESTYLES)) % len(MARKERS)]
         if marker is not None:
@@ -458,167 +359,102 @@ def run_styles(runs: Sequence[Run]) -> list[dict[str, Any]]:
     return styles
 
 
-def ema(values: Sequence[float], alpha: float) -> list[float]:
-    """Exponential moving average with weight ``alpha`` on the past (0 = no smoothing)."""
-    out, acc = [], None
-    for v in values:
-        acc = v if acc is None else alpha * acc + (1 - alpha) * v
-        out.append(acc)
-    return out
-
-
-def _panel_lags(runs: Sequence[Run]) -> list[int]:
-    return sorted(set(LAGS) | {r.lag for r in runs})
-
-
 def _no_data(ax: Any) -> None:
     ax.text(0.5, 0.5, "no data", ha="center", va="center", transform=ax.transAxes, color="gray")
 
 
-def finish_lag_panel(ax: Any, lag: int, plotted: bool, xlabel: str) -> None:
-    """Legend (or a "no data" mark), the lag as title, the x label and a light grid."""
-    if plotted:
-        ax.legend(fontsize=7)
-    else:
-        _no_data(ax)
-    ax.set_title(f"lag {lag}")
-    ax.set_xlabel(xlabel)
-    ax.grid(alpha=0.3)
-
-
-def save_panels(fig: Any, axes: Any, ylabel: str, title: str, path: Path) -> Path:
-    """Label the first panel, title the figure, write it as PNG and close it."""
-    axes[0][0].set_ylabel(ylabel)
-    fig.suptitle(title)
+def _save(fig: Any, title: str | None, path: Path) -> Path:
+    """Title the figure (if ``title``), write it as PNG and close it."""
+    if title:
+        fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     _pyplot().close(fig)
     return path
 
 
-def plot_series(
-    runs: Sequence[Run], key_fn: Any, ylabel: str, title: str, path: Path, smooth: float = 0.0, paper: Any = None
+Curve = tuple[Callable[[Run], pd.Series], str]  # (the run's series, the panel's y label)
+Paper = Callable[[str, int], Any] | None  # (method, lag) -> the paper's number, starred at the run's last step
+
+
+def plot_panels(
+    runs: Sequence[Run], curves: Sequence[Curve], title: str, path: Path, smooth: float = 0.0, paper: Paper = None
 ) -> Path:
-    """One panel per lag, one line per run: ``key_fn(run) -> Series``; ``paper(method, lag)`` adds a marker."""
+    """One column per lag (1, 8 and any other), one row per curve, one line per run: its series by
+    step, an EMA with weight ``smooth`` on the past (pandas ``ewm``, 0 = none)."""
     plt = _pyplot()
-    lags = _panel_lags(runs)
+    lags = sorted(set(LAGS) | {r.lag for r in runs})
     styles = run_styles(runs)
-    fig, axes = plt.subplots(1, len(lags), figsize=(5.5 * len(lags), 4), squeeze=False, sharey=True)
-    for ax, lag in zip(axes[0], lags, strict=True):
-        plotted = False
-        for run, style in zip(runs, styles, strict=True):
-            series = key_fn(run) if run.lag == lag else []
-            if not series:
-                continue
-            steps = [s for s, _ in series]
-            ax.plot(steps, ema([v for _, v in series], smooth), lw=1.4, **style)
-            value = paper(run.method, lag) if paper else None
-            if value is not None:
-                ax.plot([steps[-1]], [value], marker="*", ms=11, color=style["color"], ls="none")
-            plotted = True
-        finish_lag_panel(ax, lag, plotted, "step")
-    return save_panels(fig, axes, ylabel, title, path)
-
-
-def plot_aime24_bars(rows: Sequence[Row], path: Path) -> Path:
-    """Paper Figure 5: best AIME24 per method, ours beside the paper's, one panel per lag."""
-    plt = _pyplot()
-    lags = sorted(set(LAGS) | {r.lag for r in rows})
-    fig, axes = plt.subplots(1, len(lags), figsize=(6.5 * len(lags), 4.2), squeeze=False, sharey=True)
-    for ax, lag in zip(axes[0], lags, strict=True):
-        panel = [r for r in rows if r.lag == lag and (r.best_acc is not None or r.paper_acc is not None)]
-        if not panel:
-            _no_data(ax)
-        xs = list(range(len(panel)))
-        ours = [r.best_acc if r.best_acc is not None else 0.0 for r in panel]
-        paper = [r.paper_acc if r.paper_acc is not None else 0.0 for r in panel]
-        ax.bar([x - 0.2 for x in xs], ours, width=0.4, label="ours (best)", color="tab:blue")
-        ax.bar([x + 0.2 for x in xs], paper, width=0.4, label="paper", color="tab:gray")
-        ax.set_xticks(xs)
-        labels = [r.method if r.run in ("–", r.method) else f"{r.method}\n{r.run}" for r in panel]
-        ax.set_xticklabels(labels, rotation=45, ha="right", fontsize=7)
-        ax.set_title(f"AIME24, lag {lag}")
-        ax.grid(axis="y", alpha=0.3)
-        if panel:
-            ax.legend(fontsize=8)
-    axes[0][0].set_ylabel("AIME24 avg@k (%)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
-
-
-def plot_sat_gate(runs: Sequence[Run], path: Path, smooth: float = 0.0) -> Path:
-    """SAT's gate rate (top) and reference q (bottom) over training, one column per lag."""
-    plt = _pyplot()
-    lags = _panel_lags(runs)
-    styles = run_styles(runs)
-    fig, axes = plt.subplots(2, len(lags), figsize=(5.5 * len(lags), 6.5), squeeze=False, sharex="col")
-    for col, lag in enumerate(lags):
-        for row, (key, label) in enumerate(((GATE_RATE_KEY, "gate rate"), (Q_KEY, "q (alpha-quantile of |d|)"))):
-            ax = axes[row][col]
-            plotted = False
-            for run, style in zip(runs, styles, strict=True):
-                series = run.series(key) if run.lag == lag else []
-                if series:
-                    steps = [s for s, _ in series]
-                    ax.plot(steps, ema([v for _, v in series], smooth), **style)
-                    plotted = True
+    fig, axes = plt.subplots(
+        len(curves), len(lags), figsize=(5.5 * len(lags), 1.5 + 2.5 * len(curves)), squeeze=False, sharex="col",
+        sharey="row",
+    )  # fmt: skip
+    for i, ((series_of, ylabel), row) in enumerate(zip(curves, axes, strict=True)):
+        for ax, lag in zip(row, lags, strict=True):
+            plotted = [(run, style, series_of(run)) for run, style in zip(runs, styles, strict=True) if run.lag == lag]
+            plotted = [(run, style, series) for run, style, series in plotted if len(series)]
+            for run, style, series in plotted:
+                ax.plot(series.index, series.ewm(alpha=1.0 - smooth, adjust=False).mean(), lw=1.4, **style)
+                value = paper(run.method, lag) if paper else None
+                if pd.notna(value):
+                    ax.plot([series.index[-1]], [value], marker="*", ms=11, color=style["color"], ls="none")
             if plotted:
                 ax.legend(fontsize=7)
             else:
                 _no_data(ax)
-            ax.set_ylabel(label)
-            ax.set_title(f"lag {lag}" if row == 0 else "")
+            ax.set_title(f"lag {lag}" if i == 0 else "")
             ax.grid(alpha=0.3)
-        axes[1][col].set_xlabel("step")
-    fig.suptitle("SAT gate rate and reference q")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+        row[0].set_ylabel(ylabel)
+    for ax in axes[-1]:
+        ax.set_xlabel("step")
+    return _save(fig, title, path)
+
+
+def plot_aime24_bars(table: pd.DataFrame, path: Path) -> Path:
+    """Paper Figure 5: best AIME24 per method, ours beside the paper's, one panel per lag."""
+    plt = _pyplot()
+    lags = sorted(set(LAGS) | set(table.lag))
+    fig, axes = plt.subplots(1, len(lags), figsize=(6.5 * len(lags), 4.2), squeeze=False, sharey=True)
+    for ax, lag in zip(axes[0], lags, strict=True):
+        panel = table[(table.lag == lag) & (table.best_acc.notna() | table.paper_acc.notna())]
+        alone = panel.run.isin(["–"]) | (panel.run == panel.method)  # no run, or one named as its method
+        labels = panel.method.where(alone, panel.method + "\n" + panel.run)
+        bars = panel.set_index(labels)[["best_acc", "paper_acc"]].fillna(0.0).set_axis(["ours (best)", "paper"], axis=1)
+        if bars.empty:
+            _no_data(ax)
+        else:
+            bars.plot.bar(ax=ax, width=0.8, color=["tab:blue", "tab:gray"], rot=45, xlabel="")
+            plt.setp(ax.get_xticklabels(), ha="right", fontsize=7)
+            ax.legend(fontsize=8)
+        ax.set_title(f"AIME24, lag {lag}")
+        ax.grid(axis="y", alpha=0.3)
+    axes[0][0].set_ylabel("AIME24 avg@k (%)")
+    return _save(fig, None, path)
 
 
 def write_plots(
-    runs: Sequence[Run], rows: Sequence[Row], out: Path, smooth: float = 0.0, acc_key: str | None = None
+    runs: Sequence[Run], table: pd.DataFrame, out: Path, smooth: float = 0.0, acc_key: str | None = None
 ) -> list[Path]:
     """All figures; returns their paths."""
+    cells = paper_frame().set_index(["method", "lag"])
 
-    def paper_dbar(method: str, lag: int) -> float | None:
-        row = PAPER_TABLE1.get(method)
-        return None if row is None else row.dbar_pi.get(lag)
+    def paper(column: str) -> Paper:
+        return lambda method, lag: cells[column].get((method, lag))
 
-    def acc(run: Run) -> Series:
-        key = acc_key if acc_key is not None else find_acc_key(list(run.metrics))
-        return as_percent(run.series(key)) if key else []
+    def metric(key: str) -> Callable[[Run], pd.Series]:
+        return lambda run: run.series(key)
 
-    def paper_acc(method: str, lag: int) -> float | None:
-        row = PAPER_TABLE1.get(method)
-        return None if row is None else row.aime24.get(lag)
-
+    fig4 = "Mismatch over training (paper Figure 4; * = paper's last-epoch value)"
+    gate = [(metric(GATE_RATE_KEY), "gate rate"), (metric(Q_KEY), "q (alpha-quantile of |d|)")]
     return [
-        plot_series(
-            runs,
-            lambda r: r.series(DBAR_PI_KEY),
-            "dbar_pi = mean |log r|",
-            "Mismatch over training (paper Figure 4; * = paper's last-epoch value)",
-            out / "fig4_dbar_pi.png",
-            smooth,
-            paper_dbar,
-        ),
-        plot_aime24_bars(rows, out / "fig5_aime24.png"),
-        plot_series(runs, reward_series, "mean reward", "Training reward", out / "reward.png", smooth),
-        plot_series(
-            runs,
-            acc,
-            "AIME24 avg@k (%)",
-            "AIME24 over training (* = paper's best)",
-            out / "aime24_curve.png",
-            0.0,
-            paper_acc,
-        ),  # fmt: skip
-        plot_sat_gate(runs, out / "sat_gate.png", smooth),
-    ]
+        plot_panels(runs, [(metric(DBAR_PI_KEY), "dbar_pi = mean |log r|")], fig4, out / "fig4_dbar_pi.png", smooth,
+                    paper("paper_dbar_pi")),
+        plot_aime24_bars(table, out / "fig5_aime24.png"),
+        plot_panels(runs, [(reward_series, "mean reward")], "Training reward", out / "reward.png", smooth),
+        plot_panels(runs, [(lambda r: acc_series(r, acc_key), "AIME24 avg@k (%)")],
+                    "AIME24 over training (* = paper's best)", out / "aime24_curve.png", 0.0, paper("paper_acc")),
+        plot_panels(runs, gate, "SAT gate rate and reference q", out / "sat_gate.png", smooth),
+    ]  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------------
@@ -641,8 +477,8 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def main(argv: Sequence[str] | None = None) -> list[Row]:
-    """Entry point of ``python -m verl_sat.paper.report``; returns the table rows."""
+def main(argv: Sequence[str] | None = None) -> pd.DataFrame:
+    """Entry point of ``python -m verl_sat.paper.report``; returns Table 1."""
     args = build_parser().parse_args(argv)
     if args.last_n < 1:
         raise SystemExit(f"--last-n must be >= 1, got {args.last_n}")
@@ -650,15 +486,14 @@ def main(argv: Sequence[str] | None = None) -> list[Row]:
         raise SystemExit(f"--smooth must be in [0, 1), got {args.smooth}")
     rule = CollapseRule(window_frac=args.collapse_window, drop=args.collapse_drop)
     runs = [load_run(p) for p in args.runs]
-    rows = build_rows(runs, args.last_n, rule, args.acc_key, args.all_paper_rows)
+    table = build_table(runs, args.last_n, rule, args.acc_key, args.all_paper_rows)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    write_table_files(rows, out, args.last_n)
-    write_samples_table(runs, out)
+    write_tables(table, runs, out, args.last_n)
     if not args.no_plots:
-        write_plots(runs, rows, out, args.smooth, args.acc_key)
-    print(format_table1(rows, args.last_n))
-    return rows
+        write_plots(runs, table, out, args.smooth, args.acc_key)
+    print(format_table1(table, args.last_n))
+    return table
 
 
 if __name__ == "__main__":
