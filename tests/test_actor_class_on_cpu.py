@@ -29,6 +29,7 @@ def test_the_default_and_a_subclass_resolve():
     [
         ("no_such_module.Actor", r"sat.actor_class='no_such_module.Actor' cannot be imported"),
         (f"{__name__}.Nothing", r"cannot be imported"),
+        ("MyActor", r"sat.actor_class='MyActor' cannot be imported"),  # not a dotted path
         ("collections.OrderedDict", r"is not a subclass of verl_sat.trainer.actor.AsyncSATActor"),
     ],
 )

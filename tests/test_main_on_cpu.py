@@ -17,8 +17,8 @@ from verl_sat.default import reward
 from verl_sat.files import hydra_config_dir
 from verl_sat.paper.report import load_run
 from verl_sat.paper.table import normalize_method
-from verl_sat.trainer.recipe import derive_method, label_method
 from verl_sat.trainer import launch
+from verl_sat.trainer.recipe import derive_method, label_method
 
 MODEL, TRAIN, VAL, REWARD = (
     default_assets.MODEL_PATH_KEY,

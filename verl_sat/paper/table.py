@@ -91,4 +91,3 @@ def normalize_method(name: str) -> str:
 def paper_row(method: str) -> PaperRow | None:
     """The paper's row for a method name (any spelling ``normalize_method`` accepts), or None."""
     return PAPER_TABLE1.get(normalize_method(method))
-

@@ -299,7 +299,7 @@ def prepare_run(
     sat: SATRecipeConfig,
     derived: str,
     log: Callable[[str], None] = print,
-    check_nodes: Callable[[DictConfig, Path, Callable[[str], None]], Any] | None = None,
+    check_nodes: Callable | None = None,
 ) -> Path:
     """Fill, check every path, make the run directory, set the workers' environment, check the
     cluster's nodes and write ``run.json``, on the config ``recipe.resolve`` made; returns the run directory.
