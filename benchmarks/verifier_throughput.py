@@ -1,10 +1,11 @@
 """Reward throughput of verl-sat's verifier against verl's ``math_dapo`` scorer, side by side.
 
-    python benchmarks/verifier_throughput.py [--n 4096] [--chars 3000] [--repeats 3]
+    python benchmarks/verifier_throughput.py [--n 4096] [--chars 3000] [--repeats 3] [--in-thread]
 
 What the reward does each step of the paper recipe (docs/reproduce.md: 256 prompts x 16 samples): score
 ``--n`` responses of about ``--chars`` characters each, 16 per prompt sharing a ground truth, in
-one thread (verl's reward worker calls the scorer from its thread pool, one response at a time).
+one thread: the main thread, or with ``--in-thread`` a worker thread, as verl's reward worker calls
+the scorer from its thread pool (there the symbolic checks run in spawned worker processes).
 Ground truths are DAPO-style: ``--latex-frac`` of the prompts have a LaTeX answer (fraction,
 radical, interval, set, polynomial, complex number, with numbers drawn per prompt), the rest an
 integer (all of DAPO-Math-17k's answers are integers). Each response is reasoning filler that
@@ -19,8 +20,9 @@ responses per second, with the ratio and how often the two agree.
 
 ``--latency`` also times single calls that tests/test_verify.py only checks for behaviour:
 each costly answer of ``COSTLY`` (its verdict, and the seconds one call takes with
-the caches cleared) and how long ``call_with_timeout`` takes to give up on stuck work against
-its deadline, in the main thread and in a worker thread.
+the caches cleared) and how long the timeout takes to give up against its deadline: on stuck
+work in the main thread (``call_with_alarm``), and on a slow symbolic check called from a worker
+thread (``timed_symbolic_check``, in a spawned process; the first call includes the process's start).
 """
 
 from __future__ import annotations
@@ -32,18 +34,22 @@ import statistics
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 
 from verl.utils.reward_score import default_compute_score
 
 from verl_sat.eval.verify import (
     _math_verify_parse,
     _symbolic_equal,
-    call_with_timeout,
+    call_with_alarm,
     compute_score,
     normalize_answer,
+    timed_symbolic_check,
     verify,
 )
 
+# Equal answers whose symbolic check takes SymPy seconds (tests/test_verify.py::SLOW_BUT_EQUAL)
+SLOW_BUT_EQUAL = ("(x+1)^{600}(x-1)^{600}", "(x^2-1)^{600}")
 # (response, ground truth): answers built to be costly (the cost bounds refuse the first four)
 COSTLY = [
     ("\\boxed{10^{10^{10}}}", "1"),
@@ -153,13 +159,20 @@ def math_dapo(response: str, gold: str) -> float:
     return float(default_compute_score("math_dapo", response, gold)["score"] > 0)
 
 
-def one_pass(scorer: Callable[[str, str], float], pairs: list[tuple[str, str]]) -> tuple[float, list[float], int]:
-    """Seconds to score every pair (caches cleared first), the scores, and how many distinct
-    (answer, ground truth) pairs reached the symbolic back-end (verl-sat's scorer only)."""
+def one_pass(
+    scorer: Callable[[str, str], float], pairs: list[tuple[str, str]], in_thread: bool = False
+) -> tuple[float, list[float], int]:
+    """Seconds to score every pair (caches cleared first; with ``in_thread`` the worker processes'
+    parse caches persist, so ``main`` draws new pairs for each pass), the scores, and how many
+    distinct (answer, ground truth) pairs reached the symbolic back-end (verl-sat's scorer only)."""
     for memo in (normalize_answer, _symbolic_equal, _math_verify_parse):
         memo.cache_clear()
     start = time.perf_counter()
-    scores = [scorer(response, gold) for response, gold in pairs]
+    if in_thread:
+        with ThreadPoolExecutor(max_workers=1) as pool:
+            scores = pool.submit(lambda: [scorer(response, gold) for response, gold in pairs]).result()
+    else:
+        scores = [scorer(response, gold) for response, gold in pairs]
     return time.perf_counter() - start, scores, _symbolic_equal.cache_info().misses
 
 
@@ -179,22 +192,20 @@ def latency(deadline_s: float = 0.2) -> None:
             time.sleep(0.01)
 
     start = time.perf_counter()
-    call_with_timeout(stuck, deadline_s)
+    call_with_alarm(stuck, deadline_s)
     main_s = time.perf_counter() - start
-    seconds: list[float] = []
-
-    def in_worker() -> None:
-        began = time.perf_counter()
-        call_with_timeout(stuck, deadline_s)
-        seconds.append(time.perf_counter() - began)
-
-    worker = threading.Thread(target=in_worker)
-    worker.start()
-    worker.join()
     release.set()
+    slow = [normalize_answer(a) for a in SLOW_BUT_EQUAL]
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        seconds = []
+        for _ in range(2):  # the first call starts the worker processes
+            began = time.perf_counter()
+            pool.submit(timed_symbolic_check, *slow, 1.0).result()
+            seconds.append(time.perf_counter() - began)
     print(
-        f"call_with_timeout({deadline_s} s) on stuck work returned after {main_s:.3f} s (main thread, SIGALRM), "
-        f"{seconds[0]:.3f} s (worker thread)"
+        f"call_with_alarm({deadline_s} s) on stuck work returned after {main_s:.3f} s (main thread, SIGALRM); "
+        f"a 1 s symbolic check from a worker thread gave up after {seconds[0]:.3f} s (first call), "
+        f"{seconds[1]:.3f} s (second)"
     )
 
 
@@ -206,6 +217,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3, help="timed passes per scorer")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--latency", action="store_true", help="also time single costly calls and the timeout")
+    parser.add_argument("--in-thread", action="store_true", help="score from a worker thread, as verl's reward does")
     args = parser.parse_args()
     if args.latency:
         latency()
@@ -214,19 +226,22 @@ def main() -> None:
     burn_in = make_batch(min(args.n, 512), args.chars, args.latex_frac, args.seed + 1)
     scorers = {"verl-sat (math-verify)": project, "verl math_dapo": math_dapo}
     for scorer in scorers.values():
-        one_pass(scorer, burn_in)
+        one_pass(scorer, burn_in, args.in_thread)
     times: dict[str, list[float]] = {name: [] for name in scorers}
     scores: dict[str, list[float]] = {}
     symbolic = 0
-    for _ in range(args.repeats):
+    for repeat in range(args.repeats):
+        if args.in_thread and repeat:  # the worker processes' parse caches persist: new answers each pass
+            pairs = make_batch(args.n, args.chars, args.latex_frac, args.seed + 1000 * repeat)
         for name, scorer in scorers.items():
-            seconds, scores[name], checks = one_pass(scorer, pairs)
+            seconds, scores[name], checks = one_pass(scorer, pairs, args.in_thread)
             times[name].append(seconds)
             symbolic = max(symbolic, checks)
     mean_chars = statistics.mean(len(r) for r, _ in pairs)
     print(
         f"{len(pairs)} responses, {mean_chars:.0f} chars each on average, {SAMPLES_PER_PROMPT} per prompt, "
-        f"{args.latex_frac:.0%} LaTeX ground truths; one thread, {args.repeats} passes, median; "
+        f"{args.latex_frac:.0%} LaTeX ground truths; one {'worker' if args.in_thread else 'main'} thread, "
+        f"{args.repeats} passes, median; "
         f"python {platform.python_version()} on {platform.machine()}"
     )
     rates = {}

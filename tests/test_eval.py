@@ -17,18 +17,9 @@ from omegaconf import OmegaConf
 
 from verl_sat.eval import avg_at_k, pass_at_k, pass_at_k_per_problem
 from verl_sat.eval.data import Problem, is_path_like, load_problems
-from verl_sat.eval.sampling import (
-    Completion,
-    Job,
-    SamplingConfig,
-    ServerBackend,
-    ServerError,
-    api_base,
-    append_metrics,
-    main,
-    make_jobs,
-    run_eval,
-)
+from verl_sat.eval.jobs import Completion, Job, SamplingConfig, make_jobs
+from verl_sat.eval.sampling import append_metrics, main, run_eval
+from verl_sat.eval.server import ServerBackend, ServerError, api_base
 
 # six AIME 2024 problems copied verbatim from ../shared/data/aime24.jsonl (public; its lines 1, 2, 8, 13, 16, 26)
 AIME24 = Path(__file__).parent / "fixtures" / "data" / "aime24_sample.jsonl"

@@ -26,9 +26,9 @@ from pathlib import Path
 import pytest
 
 from verl_sat.eval.data import Problem, load_problems
-from verl_sat.eval.jobs import build_messages, render_prompt
-from verl_sat.eval.sampling import EvalIncomplete, SamplingConfig, ServerBackend, main, run_eval
-from verl_sat.eval.server import GRACE_S, context_advice
+from verl_sat.eval.jobs import SamplingConfig, build_messages, render_prompt
+from verl_sat.eval.sampling import EvalIncomplete, main, run_eval
+from verl_sat.eval.server import GRACE_S, ServerBackend, context_advice
 from verl_sat.eval.store import read_samples
 
 REPO = Path(__file__).resolve().parents[1]

@@ -24,7 +24,9 @@ import pytest
 from test_eval_resilience import REPO, START_S, FakeOpenAI
 
 from verl_sat.eval.data import load_problems
-from verl_sat.eval.sampling import EvalIncomplete, SamplingConfig, ServerBackend, kept_count, main, run_eval
+from verl_sat.eval.jobs import SamplingConfig
+from verl_sat.eval.sampling import EvalIncomplete, kept_count, main, run_eval
+from verl_sat.eval.server import ServerBackend
 from verl_sat.eval.store import read_samples
 
 pytestmark = pytest.mark.e2e
@@ -77,7 +79,7 @@ def test_vllm_killed_mid_evaluation(tmp_path: Path) -> None:
     try:
         wait_until_up(url, server, log)
         # the context is read from /v1/models; a prompt that does not fit names the problem and the fix
-        backend = ServerBackend(url, max_retries=1, backoff_s=0.1)
+        backend = ServerBackend(url, max_retries=1)
         assert (backend.model, backend.max_model_len) == ("tiny", CONTEXT)
         problems = load_problems(data)
         with pytest.raises(EvalIncomplete) as info:
@@ -97,7 +99,7 @@ def test_vllm_killed_mid_evaluation(tmp_path: Path) -> None:
             assert evaluation.poll() is None, evaluation.stderr.read() if evaluation.stderr else ""
             time.sleep(0.5)
         os.kill(server.pid, signal.SIGKILL)  # the API server, as the issue did
-        _, stderr = evaluation.communicate(timeout=300)  # a guard: the retry budget and grace are ~47 s
+        _, stderr = evaluation.communicate(timeout=300)  # a guard: the retries and the grace take ~24 s
     finally:
         try:
             os.killpg(server.pid, signal.SIGKILL)  # its engine core and worker too (the group we started)

@@ -294,7 +294,8 @@ def test_recipe_reward_and_eval_score_with_one_function(tmp_path: Path) -> None:
     from verl.trainer.ppo.reward import get_custom_reward_fn
 
     from verl_sat.eval.data import Problem
-    from verl_sat.eval.sampling import Completion, SamplingConfig, run_eval
+    from verl_sat.eval.jobs import Completion, SamplingConfig
+    from verl_sat.eval.sampling import run_eval
     from verl_sat.paper import grid as recipes
 
     cfg = OmegaConf.create(OmegaConf.to_container(recipes.compose_cell("sat_gspo_r3", 8), resolve=True))

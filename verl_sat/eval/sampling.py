@@ -25,43 +25,13 @@ from typing import Any
 from tqdm import tqdm
 
 from verl_sat.eval.data import Problem, load_problems
-from verl_sat.eval.jobs import (
-    DEFAULT_INSTRUCTION,
-    Backend,
-    Completion,
-    Job,
-    SamplingConfig,
-    build_messages,
-    make_jobs,
-    render_prompt,
-)
+from verl_sat.eval.jobs import DEFAULT_INSTRUCTION, Backend, Completion, Job, SamplingConfig, make_jobs
 from verl_sat.eval.metrics import avg_at_k, pass_at_k, pass_at_k_per_problem
-from verl_sat.eval.server import ContextLengthError, ServerBackend, ServerError, api_base
+from verl_sat.eval.server import ContextLengthError, ServerBackend, ServerError
 from verl_sat.eval.store import SAMPLES, ResumeRefused, SampleLog, UnfinishedEvaluation, eval_settings
 from verl_sat.eval.verify import compute_score, extract_answer
 
 DEFAULT_DATASET = "HuggingFaceH4/aime_2024"
-
-__all__ = [
-    "DEFAULT_INSTRUCTION",
-    "Backend",
-    "Completion",
-    "ContextLengthError",
-    "EvalIncomplete",
-    "Job",
-    "ResumeRefused",
-    "SamplingConfig",
-    "ServerBackend",
-    "ServerError",
-    "UnfinishedEvaluation",
-    "api_base",
-    "append_metrics",
-    "build_messages",
-    "main",
-    "make_jobs",
-    "render_prompt",
-    "run_eval",
-]
 
 
 class EvalIncomplete(RuntimeError):

@@ -161,9 +161,8 @@ class ServerBackend:
 
         Without ``first`` the list is optional information: the evaluation's requests will tell.
         """
-        client = openai.OpenAI(
-            base_url=self.base, api_key=self.api_key, max_retries=self.max_retries, timeout=MODELS_TIMEOUT_S
-        )
+        retries = self.max_retries if first else 0
+        client = openai.OpenAI(base_url=self.base, api_key=self.api_key, max_retries=retries, timeout=MODELS_TIMEOUT_S)
         try:
             cards = list(client.models.list())
         except openai.APIError as exc:
