@@ -190,13 +190,15 @@ def spec_psi(u: np.ndarray, q: float, kernel: str, exponent: float) -> np.ndarra
 
 def _log_ratio(case: SATCase, ref: torch.Tensor) -> torch.Tensor:
     """log pi - log ref in the case's dtype: per token (docs/sat.md#setting), or GSPO's length-normalised
-    sequence log-ratio broadcast to the response's tokens (docs/sat.md#sequence-level); float64, 0 at padding."""
-    m = case.response_mask.to(case.dtype)
+    sequence log-ratio broadcast to the response's tokens (docs/sat.md#sequence-level); float64, 0 at padding.
+    The sequence mean is summed in float64, then rounded to the dtype: an fp32 sum's last bit depends
+    on the machine's reduction order (an ulp of q apart on two CPUs)."""
+    m = case.response_mask.double()
     x = case.log_prob - ref
     if case.level == "token":
         x = x.clamp(-20.0, 20.0)  # verl's clamp of log r (never reached by these draws)
     else:
-        x = ((x * m).sum(-1) / m.sum(-1).clamp(min=1)).unsqueeze(-1).expand_as(x)
+        x = ((x.double() * m).sum(-1) / m.sum(-1).clamp(min=1)).to(case.dtype).unsqueeze(-1).expand_as(x)
     return torch.where(case.mask, x, 0.0).double()
 
 

@@ -31,9 +31,7 @@ from sat_strategies import (
     stale_tokens,
 )
 
-from verl_sat.sat.fused import sequence_factors, token_factors
 from verl_sat.sat.rule import (
-    RuleSettings,
     adaptive_bounds,
     kernel_psi,
     masked_quantile,
@@ -151,8 +149,8 @@ def test_q_zero_gates_nothing():
 
 @pytest.mark.parametrize("level", LEVELS)
 def test_containment_sign_selection_and_gate_rate(level):
-    """The rule as the losses apply it (token: ``sat_factors``; sequence: ``fused.sequence_factors``
-    on the broadcast GSPO score) against docs/sat.md#the-rule, steps 2-6, computed by ``spec_rule``:
+    """The rule as the losses apply it (``sat_factors``, on the token score or the broadcast GSPO
+    score) against docs/sat.md#the-rule, steps 2-6, computed by ``spec_rule``:
     the same q and gate; c_plus, c_minus and the radii equal the spec's; [1 - eps_low~, 1 + eps_high~]
     inside [1 - eps_low, 1 + eps_high]; a gated token moves only the endpoint on the side of sign(d),
     strictly inward wherever the dtype can show the move; at most n - ceil(alpha n) <= (1 - alpha) n
@@ -206,19 +204,9 @@ def test_containment_sign_selection_and_gate_rate(level):
 
 def rule_as_applied(case: SATCase, d: torch.Tensor):
     """(factors, 1 - eps_low~, 1 + eps_high~) as the losses compute them, dense, in the case's dtype."""
-    mask = case.mask
-    rule = RuleSettings(case.alpha, case.kernel, case.exponent)
-    if case.level == "token":
-        f = sat_factors(d, mask, *rule)
-        lower, upper = adaptive_bounds(f, case.eps_low, case.eps_high, like=d)
-        return f, lower, upper
-    lengths = torch.sum(case.response_mask, dim=-1)
-    f_rows, _, lo_b, hi_b = sequence_factors(d[:, 0], lengths, int(mask.sum()), rule, case.eps_low, case.eps_high)
-    f = token_factors(f_rows, case.response_mask)
-    if lo_b is None:  # no row gated: the base endpoints everywhere
-        lo_b = torch.full_like(d[:, 0], 1.0 - case.eps_low)
-        hi_b = torch.full_like(d[:, 0], 1.0 + case.eps_high)
-    return f, lo_b[:, None].expand_as(d), hi_b[:, None].expand_as(d)
+    f = sat_factors(d, case.mask, case.alpha, case.kernel, case.exponent)
+    lower, upper = adaptive_bounds(f, case.eps_low, case.eps_high, like=d)
+    return f, lower, upper
 
 
 @pytest.mark.gpu_branch

@@ -354,7 +354,7 @@ def test_whole_step_context_takes_the_micro_batchs_own_q_without_error():
 @pytest.mark.parametrize("pad", [float("-inf"), float("nan")])
 def test_step_scores_ignore_what_padding_holds(loss_mode, pad):
     """An engine's padding may hold -inf or NaN log-probs: the step's scores (and so q) are those
-    of clean padding, as the fused loss's own scores are."""
+    of clean padding, as the loss's own scores are."""
     (m,) = paper_step(6, n_micro=1, max_len=300)
     clean = step_scores(loss_mode, m["log_prob"], m["old"], m["mask"])
     dirty = step_scores(loss_mode, m["log_prob"].masked_fill(~m["mask"], pad), m["old"], m["mask"])
@@ -365,7 +365,7 @@ def test_a_responses_score_does_not_depend_on_how_wide_its_row_is_padded():
     """The step's q pads the mini-batch, the loss its micro-batch: the sequence score must be the
     same bits at any width, or a response scored exactly at q is gated in the loss (an fp32 row sum
     differed in the last bit on about 30% of these rows)."""
-    from verl_sat.sat.fused import sequence_score
+    from verl_sat.sat.rule import sequence_score
 
     g = torch.Generator().manual_seed(0)
     for _ in range(500):

@@ -1,2 +1,2 @@
-"""The SAT method (docs/sat.md): the rule, the exact quantile, the step's q, the fused surrogates,
-the registered losses ``sat`` / ``sat_gspo`` and their config."""
+"""The SAT method (docs/sat.md): the rule, the exact quantile, the step's q, the registered
+losses ``sat`` / ``sat_gspo`` and their config."""

@@ -23,10 +23,12 @@ from typing import Any
 import torch
 from verl.trainer.ppo import core_algos
 from verl.trainer.ppo.core_algos import agg_loss, compute_policy_loss_gspo, compute_policy_loss_vanilla
+from verl.utils.torch_functional import masked_mean
 
 from verl_sat.sat.config import POLICY_LOSS_KEY, SATPolicyLossConfig, sat_settings
-from verl_sat.sat.fused import StepScore, Surrogate, sequence_surrogate, token_surrogate, ungated_metrics
-from verl_sat.sat.rule import RuleSettings, SATFactors
+from verl_sat.sat.rule import LOG_RATIO_CLAMP, SATFactors, intercepted, sat_clip, sat_factors, staleness_score
+
+GSPO_LOG_RATIO_MAX = 10.0  # verl's gspo clamps log s_{b,t} at 10 before exp
 
 
 # ---------------------------------------------------------------------------------------------
@@ -39,22 +41,52 @@ def clip_radii(config: Any) -> tuple[float, float]:
     return float(eps_low), float(eps_high)
 
 
-def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    return (x * mask).sum() / mask.sum().clamp(min=1)
-
-
 def mismatch_metric(log_prob: torch.Tensor, old_log_prob: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
-    """dbar_pi = mean over T_act of |log pi - log mu| (docs/sat.md#setting, token level for every method)."""
+    """dbar_pi = mean over T_act of |log pi - log mu| (docs/sat.md#setting, token level for every method).
+
+    verl's ``masked_mean``: padding may hold -inf or NaN (its ``masked_sum`` zeroes it first).
+    """
     d = (log_prob.detach() - old_log_prob.detach()).abs()
-    return {"actor/mismatch_abs_mean": masked_mean(d, mask.to(d.dtype)).item()}
+    return {"actor/mismatch_abs_mean": masked_mean(d, mask.bool()).item()}
+
+
+def sat_metrics(
+    f: SATFactors, ratio: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, eps_low: float, eps_high: float
+) -> dict[str, float]:
+    """SAT's diagnostics over the n active tokens (docs/metrics.md, "SAT's loss"); ``mask`` bool.
+
+    c_plus and c_minus are 1 off the gated tokens, so mean(eps c) = eps (1 - sum over the gated
+    tokens on that side of (1 - c) / n): sums over the gated tokens only.
+    """
+    n = float(mask.sum())
+    shrink = 1.0 - f.c  # (G,) how far each gated token's radius contracts
+    shrink_high, shrink_low = float(shrink[f.positive].sum()), float(shrink[~f.positive].sum())
+    return {
+        "actor/sat_q": float(f.q),
+        "actor/sat_gate_rate": f.idx.numel() / n,  # mean 1{q > 0, |d| > q} over T_act
+        "actor/sat_c_min": float(f.c.min()) if f.idx.numel() else 1.0,
+        "actor/sat_eps_low_mean": eps_low * (1.0 - shrink_low / n),  # mean(eps_low c_minus)
+        "actor/sat_eps_high_mean": eps_high * (1.0 - shrink_high / n),  # mean(eps_high c_plus)
+        "actor/sat_intercepted_frac": float(intercepted(ratio, advantages, f, eps_low, eps_high)) / n,
+    }
 
 
 def empty_batch(log_prob: torch.Tensor, eps_low: float, eps_high: float) -> tuple[torch.Tensor, dict[str, Any]]:
     """No active token: zero loss that still backpropagates (zeros), no NaN (docs/sat.md#the-rule,
     edge cases); verl's three loss metrics 0, SAT's those of a batch it gates nothing in, with q = 0."""
     loss = log_prob.masked_fill(torch.ones_like(log_prob, dtype=torch.bool), 0.0).sum()
-    base = {"actor/pg_clipfrac": 0.0, "actor/ppo_kl": 0.0, "actor/pg_clipfrac_lower": 0.0}
-    return loss, {**base, **ungated_metrics(eps_low, eps_high)}
+    return loss, {
+        "actor/pg_clipfrac": 0.0,
+        "actor/ppo_kl": 0.0,
+        "actor/pg_clipfrac_lower": 0.0,
+        "actor/sat_q": 0.0,
+        "actor/sat_gate_rate": 0.0,
+        "actor/sat_c_min": 1.0,
+        "actor/sat_eps_low_mean": eps_low,
+        "actor/sat_eps_high_mean": eps_high,
+        "actor/sat_intercepted_frac": 0.0,
+        "actor/mismatch_abs_mean": 0.0,
+    }
 
 
 def _disabled(base_fn, args: tuple, mask: torch.Tensor) -> tuple[torch.Tensor, dict[str, Any]]:
@@ -183,29 +215,66 @@ def _record(f: SATFactors) -> None:
         ctx.gate = f.gate
 
 
-def scope_metrics(log_prob: torch.Tensor, response_mask: torch.Tensor, known: dict[str, float]) -> dict[str, float]:
+def scope_metrics(log_prob: torch.Tensor, response_mask: torch.Tensor) -> dict[str, float]:
     """What the batch reference q was taken over (docs/sat.md#the-rule, step 2; the q-scope metrics):
 
     actor/sat_seqs_per_micro_batch = #responses with an active token in this micro-batch
         (SAT-GSPO with per-micro-batch q gates nothing once the top one holds 1 - alpha of its tokens)
     actor/sat_score_drift = mean over T_act of |log pi - log pi_score|: 0 when the score was
         taken at this step's weights (forward scoring pass), > 0 when it lags (old log-probs)
-    ``known``: the loss's own metrics (the sequence loss counts the responses itself).
     """
-    metrics = {}
-    if "actor/sat_seqs_per_micro_batch" not in known:
-        metrics["actor/sat_seqs_per_micro_batch"] = float((response_mask.sum(dim=-1) > 0).sum())
+    metrics = {"actor/sat_seqs_per_micro_batch": float((response_mask.sum(dim=-1) > 0).sum())}
     ctx = _CONTEXT.get()
     if ctx is not None and ctx.score_log_prob is not None:
-        mask = response_mask.bool()
-        drift = torch.where(mask, (log_prob.detach() - ctx.score_log_prob.to(log_prob.dtype)).abs(), 0.0)
-        metrics["actor/sat_score_drift"] = (drift.sum() / mask.sum().clamp(min=1)).item()
+        drift = (log_prob.detach() - ctx.score_log_prob.to(log_prob.dtype)).abs()
+        metrics["actor/sat_score_drift"] = masked_mean(drift, response_mask.bool()).item()
     return metrics
 
 
 # ---------------------------------------------------------------------------------------------
-# ALGO LOGIC: SAT on verl's vanilla (token level, docs/sat.md#the-rule)
+# ALGO LOGIC: verl's vanilla and gspo with SAT's clip interval (docs/sat.md#the-rule, step 7)
 # ---------------------------------------------------------------------------------------------
+def clean_padding(
+    old_log_prob: torch.Tensor, log_prob: torch.Tensor, response_mask: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Both log-probs with 0 at padding: an engine's padding may hold -inf or NaN, which
+    ``loss * mask`` would turn into a NaN loss; active tokens keep their bits."""
+    mask = response_mask.bool()
+    return torch.where(mask, old_log_prob, 0.0), torch.where(mask, log_prob, 0.0)
+
+
+def sat_gate(
+    sat: SATPolicyLossConfig,
+    level: str,
+    config: Any,
+    log_prob: torch.Tensor,
+    old_log_prob: torch.Tensor,
+    mask: torch.Tensor,
+) -> SATFactors:
+    """The rule (docs/sat.md#the-rule, steps 1-5) on this micro-batch's score, against the step's q
+    when it was taken over the optimizer step; the gate goes back to the worker's context."""
+    scored = score_log_prob(log_prob)
+    d = staleness_score(level, log_prob if scored is None else scored, score_reference(sat, old_log_prob), mask)
+    q = step_reference(sat, config, mask)
+    f = sat_factors(d, mask, sat.sat_alpha, sat.sat_kernel, sat.sat_kernel_exponent, q=q)
+    _record(f)
+    return f
+
+
+def clipped_surrogate(
+    ratio: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, f: SATFactors, eps_low: float, eps_high: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """-S = max(-A r, -A clip(r, 1 - eps_low~, 1 + eps_high~)) per token, and verl's pg_clipfrac.
+
+    The ops of verl's ``vanilla`` / ``gspo`` with ``rule.sat_clip`` for their clamp: ungated tokens
+    are verl's bit for bit, so with no token gated the whole loss is.
+    """
+    pg_losses1 = -advantages * ratio
+    pg_losses2 = -advantages * sat_clip(ratio, f, eps_low, eps_high)
+    pg_clipfrac = masked_mean(torch.gt(pg_losses2, pg_losses1).float(), mask)
+    return torch.maximum(pg_losses1, pg_losses2), pg_clipfrac
+
+
 def compute_policy_loss_sat(
     old_log_prob: torch.Tensor,
     log_prob: torch.Tensor,
@@ -222,7 +291,7 @@ def compute_policy_loss_sat(
     eps_low~ = eps_low * c_minus(d),  eps_high~ = eps_high * c_plus(d)     (docs/sat.md#the-rule, steps 1-6)
     S   = min(r A, clip(r, 1 - eps_low~, 1 + eps_high~) A);  loss = -S     (docs/sat.md#the-rule, step 7)
     plus verl's dual clip for A < 0: loss = min(loss, -A * clip_ratio_c).
-    Computed by ``fused.token_surrogate``; with no token gated, verl's ``vanilla`` itself.
+    Written as verl's ``vanilla``, whose clamp becomes ``rule.sat_clip``; autograd takes the gradient.
     """
     assert config is not None, "the sat loss needs the actor config (clip ratios, policy_loss)"
     sat: SATPolicyLossConfig = sat_settings(config.policy_loss)
@@ -233,14 +302,24 @@ def compute_policy_loss_sat(
     clip_ratio_c = config.get("clip_ratio_c", 3.0)
     if not clip_ratio_c > 1.0:
         raise ValueError(f"actor_rollout_ref.actor.clip_ratio_c must be > 1.0 (dual clip), got {clip_ratio_c}")
-    rule = RuleSettings(sat.sat_alpha, sat.sat_kernel, sat.sat_kernel_exponent)
-    ref = score_reference(sat, old_log_prob)
+    if not response_mask.any():
+        return empty_batch(log_prob, eps_low, eps_high)
     mu = mu_log_prob(old_log_prob)
-    step = StepScore(score_log_prob(log_prob), step_reference(sat, config, response_mask))
-    out = token_surrogate(
-        log_prob, old_log_prob, advantages, response_mask, ref, mu, rule, eps_low, eps_high, clip_ratio_c, step
-    )
-    return _finish(out, compute_policy_loss_vanilla, args, eps_low, eps_high)
+    old_log_prob, log_prob = clean_padding(old_log_prob, log_prob, response_mask)
+    f = sat_gate(sat, "token", config, log_prob, old_log_prob, response_mask)
+
+    negative_approx_kl = torch.clamp(log_prob - old_log_prob, min=-LOG_RATIO_CLAMP, max=LOG_RATIO_CLAMP)
+    ratio = torch.exp(negative_approx_kl)  # r
+    ppo_kl = masked_mean(-negative_approx_kl.detach(), response_mask)
+    clip_pg_losses1, pg_clipfrac = clipped_surrogate(ratio, advantages, response_mask, f, eps_low, eps_high)
+    pg_losses3 = -advantages * clip_ratio_c  # verl's dual clip: -S <= -A c where A < 0
+    clip_pg_losses2 = torch.min(pg_losses3, clip_pg_losses1)
+    pg_clipfrac_lower = masked_mean(torch.gt(clip_pg_losses1, pg_losses3) * (advantages < 0).float(), response_mask)
+    pg_losses = torch.where(advantages < 0, clip_pg_losses2, clip_pg_losses1)
+
+    base = {"actor/pg_clipfrac": pg_clipfrac, "actor/ppo_kl": ppo_kl, "actor/pg_clipfrac_lower": pg_clipfrac_lower}
+    metrics = sat_metrics(f, ratio, advantages, response_mask.bool(), eps_low, eps_high)
+    return _aggregate(pg_losses, args, base, metrics, mu)
 
 
 def compute_policy_loss_sat_gspo(
@@ -259,7 +338,7 @@ def compute_policy_loss_sat_gspo(
                 (decoupled, docs/sat.md#which-log-probs: rho_b against pi_old, d_{b,t} from the same mean against mu)
     s_{b,t}   = sg[rho_b] * pi_{b,t} / sg[pi_{b,t}]                         (GSPO-token gradient form)
     S = min(s A, clip(s, 1 - eps_low~, 1 + eps_high~) A);  loss = -S
-    Computed by ``fused.sequence_surrogate``; with no token gated, verl's ``gspo`` itself.
+    Written as verl's ``gspo``, whose clamp becomes ``rule.sat_clip``; autograd takes the gradient.
     """
     assert config is not None, "the sat_gspo loss needs the actor config (clip ratios, policy_loss)"
     sat: SATPolicyLossConfig = sat_settings(config.policy_loss)
@@ -267,35 +346,38 @@ def compute_policy_loss_sat_gspo(
     if not sat.sat_enabled:
         return _disabled(compute_policy_loss_gspo, args, response_mask)
     eps_low, eps_high = clip_radii(config)
-    rule = RuleSettings(sat.sat_alpha, sat.sat_kernel, sat.sat_kernel_exponent)
-    ref = score_reference(sat, old_log_prob)
-    mu = mu_log_prob(old_log_prob)
-    step = StepScore(score_log_prob(log_prob), step_reference(sat, config, response_mask))
-    out = sequence_surrogate(log_prob, old_log_prob, advantages, response_mask, ref, mu, rule, eps_low, eps_high, step)
-    return _finish(out, compute_policy_loss_gspo, args, eps_low, eps_high)
-
-
-def _finish(
-    out: Surrogate | None, base_fn, args: tuple, eps_low: float, eps_high: float
-) -> tuple[torch.Tensor, dict[str, Any]]:
-    """Aggregate -S as verl does, or, with no token gated, return verl's own loss (bit-identical)."""
-    old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config, rollout_is_weights = args
-    if out is None:
+    if not response_mask.any():
         return empty_batch(log_prob, eps_low, eps_high)
-    _record(out.factors)
-    metrics = {**out.metrics, **scope_metrics(log_prob, response_mask, out.metrics)}
-    if out.loss is None:  # no token gated: verl's own loss, bit for bit, and its three metrics
-        if not out.clean_padding:  # -inf / NaN log-probs at padding: keep verl's loss finite
-            mask = response_mask.bool()
-            old_log_prob, log_prob = torch.where(mask, old_log_prob, 0.0), torch.where(mask, log_prob, 0.0)
-        args = (old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config, rollout_is_weights)
-        loss, base = base_fn(*args)
-        return loss, {**base, **metrics}
-    pg_losses = out.loss if rollout_is_weights is None else out.loss * rollout_is_weights
+    mu = mu_log_prob(old_log_prob)
+    old_log_prob, log_prob = clean_padding(old_log_prob, log_prob, response_mask)
+    f = sat_gate(sat, "sequence", config, log_prob, old_log_prob, response_mask)
+
+    negative_approx_kl = log_prob - old_log_prob
+    seq_lengths = torch.sum(response_mask, dim=-1).clamp(min=1)  # |y_b|
+    negative_approx_kl_seq = torch.sum(negative_approx_kl * response_mask, dim=-1) / seq_lengths  # log rho_b
+    # log s_{b,t} = sg[log rho_b] + log pi_{b,t} - sg[log pi_{b,t}], clamped at 10 as verl does
+    log_seq_importance_ratio = log_prob - log_prob.detach() + negative_approx_kl_seq.detach().unsqueeze(-1)
+    seq_importance_ratio = torch.exp(torch.clamp(log_seq_importance_ratio, max=GSPO_LOG_RATIO_MAX))  # s
+    pg_losses, pg_clipfrac = clipped_surrogate(seq_importance_ratio, advantages, response_mask, f, eps_low, eps_high)
+    ppo_kl = masked_mean(-negative_approx_kl.detach(), response_mask)
+
+    base = {"actor/pg_clipfrac": pg_clipfrac, "actor/ppo_kl": ppo_kl, "actor/pg_clipfrac_lower": 0.0}
+    metrics = sat_metrics(f, seq_importance_ratio, advantages, response_mask.bool(), eps_low, eps_high)
+    return _aggregate(pg_losses, args, base, metrics, mu)
+
+
+def _aggregate(
+    pg_losses: torch.Tensor, args: tuple, base: dict[str, Any], metrics: dict[str, float], mu: torch.Tensor
+) -> tuple[torch.Tensor, dict[str, Any]]:
+    """verl's ``agg_loss`` over -S (times ``rollout_is_weights``), and every metric as a float."""
+    _, log_prob, _, response_mask, loss_agg_mode, config, rollout_is_weights = args
+    if rollout_is_weights is not None:
+        pg_losses = pg_losses * rollout_is_weights
     pg_loss = agg_loss(
         loss_mat=pg_losses, loss_mask=response_mask, loss_agg_mode=loss_agg_mode, **config.global_batch_info
     )
-    return pg_loss, metrics
+    metrics = {**{k: float(v) for k, v in base.items()}, **metrics, **mismatch_metric(log_prob, mu, response_mask)}
+    return pg_loss, {**metrics, **scope_metrics(log_prob, response_mask)}
 
 
 # ---------------------------------------------------------------------------------------------

@@ -18,6 +18,8 @@ import torch
 
 from verl_sat.sat.quantile import exact_quantile, quantile_rank
 
+LOG_RATIO_CLAMP = 20.0  # verl's vanilla clamps log r to [-20, 20] before exp
+
 # Integer/low-precision dtypes are selected in fp32: every bf16/fp16 value is exact in fp32,
 # so the selected element, cast back, is bit-exact.
 _SELECT_DTYPES = (torch.float32, torch.float64)
@@ -45,6 +47,39 @@ def masked_quantile(x: torch.Tensor, mask: torch.Tensor, alpha: float) -> torch.
     indices are the gate's candidates. Returns 0 when mask is empty.
     """
     return exact_quantile(x[mask.bool()], alpha)
+
+
+def padded_log_ratio(lp: torch.Tensor, ref: torch.Tensor, response_mask: torch.Tensor, clamp: bool) -> torch.Tensor:
+    """log pi - log ref at active tokens (clamped to +-20 if asked), 0 at padding, whatever it holds."""
+    x = lp - ref
+    if clamp:
+        x = x.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    return torch.where(response_mask.bool(), x, 0.0)
+
+
+def sequence_score(x: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """log rho_b = sum_t x_{b,t} / max(|y_b|, 1) for SAT's score (docs/sat.md#sequence-level), summed in float64.
+
+    An fp32 row sum's rounding depends on how far the row is padded (tried: 30% of rows differ in
+    the last bit between two widths), and the step's q pads to the mini-batch while the loss pads
+    to its micro-batch: a response scored exactly at q could then be gated in the loss and break
+    the 1 - alpha bound. In float64 the sum is width-independent in all but ~1e-9 of cases.
+    """
+    return (x.double().sum(-1) / lengths.clamp(min=1).double()).to(x.dtype)
+
+
+def staleness_score(level: str, log_prob: torch.Tensor, ref: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
+    """The detached score d (docs/sat.md#the-rule, step 1), 0 at padding, whatever padding holds.
+
+    token:    d_{b,t} = clamp(log pi_{b,t} - log ref_{b,t}, -20, 20)          (verl's vanilla clamp)
+    sequence: d_{b,t} = log rho_b = sum_t (log pi - log ref) / |y_b| on each active t of response b
+              (docs/sat.md#sequence-level: broadcast, then the quantile is length-weighted)
+    """
+    x = padded_log_ratio(log_prob.detach(), ref, response_mask, clamp=level == "token")
+    if level == "token":
+        return x
+    score = sequence_score(x, torch.sum(response_mask, dim=-1))
+    return torch.where(response_mask.bool(), score.unsqueeze(-1), 0.0)
 
 
 def kernel_psi(u: torch.Tensor, q: torch.Tensor, kernel: str, exponent: float) -> torch.Tensor:
@@ -129,30 +164,15 @@ def sat_factors(
     c_minus = psi(u_minus; q) if gate else 1
     A gated token has exactly one of u_plus, u_minus equal to |d_sg| > 0 and the other 0, where
     psi(0) = 1: so only the endpoint on the side of sign(d) can move.
+
+    Padding is set to |d| = 0, below every active value, so the k-th smallest active |d| is the
+    minimum of the m = n - k + 1 largest of all positions: the selection needs no mask, and its
+    indices are the candidates for the gate (the gated tokens are among the m largest).
     """
     mask = mask.bool()
-    d_sg = d.detach().masked_fill(~mask, 0.0)  # padding may hold anything, -inf and NaN included
-    return padded_factors(d_sg, int(mask.sum().item()), alpha, kernel, exponent, q=q)
-
-
-def padded_factors(
-    d: torch.Tensor,
-    n: int,
-    alpha: float,
-    kernel: str,
-    exponent: float,
-    a: torch.Tensor | None = None,
-    q: torch.Tensor | None = None,
-) -> SATFactors:
-    """``sat_factors`` for a detached score that holds 0 at every one of its padding positions.
-
-    The n active |d| are >= 0 = every padding |d|, so the k-th smallest active |d| is the minimum
-    of the m = n - k + 1 largest of all positions: the selection needs no mask, and its indices
-    are the candidates for the gate (the gated tokens are among the m largest). ``a`` = |d| if
-    the caller has it; ``q`` = the batch reference when it was taken over more than this
-    micro-batch (the optimizer step).
-    """
-    a = d.abs() if a is None else a
+    d = d.detach().masked_fill(~mask, 0.0)  # padding may hold anything, -inf and NaN included
+    n = int(mask.sum().item())
+    a = d.abs()
     if q is not None:  # the optimizer step's q (sat_quantile_scope=step): gate against it here
         q = q.to(device=d.device, dtype=d.dtype)
         idx = ((a > q) & (q > 0)).reshape(-1).nonzero().squeeze(-1)

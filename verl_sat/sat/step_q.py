@@ -32,8 +32,8 @@ from typing import Any
 import torch
 
 from verl_sat.sat.config import sat_settings
-from verl_sat.sat.fused import padded_log_ratio, sequence_score
 from verl_sat.sat.quantile import exact_quantile, global_count
+from verl_sat.sat.rule import padded_log_ratio, sequence_score
 
 STEP_Q_KEY = "sat_step_q"  # non-tensor entry of the mini-batch (and so of every micro-batch)
 SCORE_FIELD = "sat_score_log_probs"  # the scoring pass's log pi, laid out like model_output["log_probs"]
@@ -66,7 +66,7 @@ def step_scores(
 
     sat:      |d_{b,t}| = |clamp(log pi - log ref, -20, 20)| over T_act, multiplicity 1
     sat_gspo: |log rho_b| once per response, multiplicity |y_b| (broadcast to its tokens, docs/sat.md#sequence-level)
-    Built from the fused loss's own ops (``padded_log_ratio``, ``sequence_score``): the same bits,
+    Built from the loss's own ops (``rule.padded_log_ratio``, ``rule.sequence_score``): the same bits,
     whatever padding holds and however wide the rows are padded.
     """
     if loss_mode == "sat_gspo":

@@ -1,10 +1,10 @@
-"""The fused SAT surrogates (``verl_sat/sat/fused.py``) against the paper's equations.
+"""The registered losses ``sat`` and ``sat_gspo`` (``verl_sat/sat/losses.py``) against the paper's equations.
 
 The reference below uses no verl_sat code: q, the gate, the factors and the radii come from
 ``sat_strategies.spec_rule`` (docs/sat.md#the-rule, steps 1-6, in float64 numpy), each token's
 loss and its derivative are written out from step 7 (and docs/sat.md#sequence-level), and only
-verl's ``agg_loss`` weighs the tokens. The fused path must give that loss, gradient and those
-metrics within fp rounding at every dtype, and stay finite when padding holds -inf or NaN.
+verl's ``agg_loss`` weighs the tokens. The loss must give that loss, gradient and those metrics
+within fp rounding at every dtype, and stay finite when padding holds -inf or NaN.
 """
 
 from __future__ import annotations
@@ -51,7 +51,8 @@ def reference(case: SATCase, agg: str) -> dict:
     -A r where -S moves with r and 0 where the clip holds it at a bound: A > 0 and r > 1 + eps_high~,
     A < 0 and r < 1 - eps_low~, or the dual clip (r > c, A < 0). Token level: r = pi / pi_old, so
     dr / dlog pi = r. Sequence level: GSPO-token's s = sg(rho_b) pi / sg(pi) has value rho_b and
-    ds / dlog pi = rho_b. ``ambiguous``: r within rounding of a bound, where the dtype decides the clip.
+    ds / dlog pi = rho_b. ``ambiguous``: r within rounding of a bound, where the dtype decides the clip
+    and, at an exact tie of the max/min, autograd splits the gradient (a subgradient of the kink).
     """
     spec = spec_rule(case)
     mask = case.mask.numpy()
@@ -91,7 +92,7 @@ def reference(case: SATCase, agg: str) -> dict:
     }
 
 
-def fused(name: str, b: dict, agg: str, **kw):
+def run(name: str, b: dict, agg: str, **kw):
     lp = b["log_prob"].clone().requires_grad_(True)
     loss, metrics = get_policy_loss_fn(name)(
         b["old_log_prob"], lp, b["advantages"], b["response_mask"], agg, actor_config(name, **kw)
@@ -101,7 +102,7 @@ def fused(name: str, b: dict, agg: str, **kw):
 
 
 # bf16 only with radii it can resolve near 1 (spacing 2^-7): GSPO's 3e-4 rounds onto 1 itself
-FUSED_CASES = {
+CASES = {
     level: st.one_of(
         sat_cases(level),
         sat_cases(level, dtypes=(torch.bfloat16,), radii=((0.2, 0.2), (0.2, 0.28))),
@@ -111,19 +112,19 @@ FUSED_CASES = {
 
 
 @pytest.mark.parametrize("level", LEVELS)
-def test_fused_equals_the_equations(level):
-    """The fused loss, its gradient w.r.t. log pi and its metrics equal ``reference`` (docs/sat.md,
+def test_loss_equals_the_equations(level):
+    """The loss, its gradient w.r.t. log pi and its metrics equal ``reference`` (docs/sat.md,
     step 7 written out per token), in every loss_agg_mode and dtype (bf16 included): the loss
     within the dtype's rounding of its terms, the gradient token by token (where r is within
-    rounding of a bound, either that token's moving gradient or 0), padding's gradient 0. Bites
-    where a band token (clipped by SAT, not by PPO) is present."""
+    rounding of a bound, a subgradient of the kink: between 0 and that token's moving gradient),
+    padding's gradient 0. Bites where a band token (clipped by SAT, not by PPO) is present."""
     flags = []
 
     @PROPERTY
-    @given(case=FUSED_CASES[level], agg=st.sampled_from(AGG_MODES))
+    @given(case=CASES[level], agg=st.sampled_from(AGG_MODES))
     def check(case: SATCase, agg: str) -> None:
         ref = reference(case, agg)
-        loss, grad, metrics = fused(case.loss_name, case.batch(), agg, **case.sat_settings())
+        loss, grad, metrics = run(case.loss_name, case.batch(), agg, **case.sat_settings())
         tol = TOL[case.dtype]
         zeros = torch.zeros_like(case.log_prob)
         assert loss.dtype == agg_loss(loss_mat=zeros, loss_mask=case.response_mask, loss_agg_mode=agg).dtype  # verl's
@@ -133,9 +134,9 @@ def test_fused_equals_the_equations(level):
         clear = case.mask.numpy() & ~ref["ambiguous"]
         np.testing.assert_allclose(grad[clear], ref["grad"][clear], rtol=tol, atol=tol)
         assert np.all(grad[~case.mask.numpy()] == 0)
-        near = ref["ambiguous"]
-        either = np.isclose(grad[near], ref["moving"][near], rtol=tol, atol=tol) | (grad[near] == 0)
-        assert either.all()
+        near, moving = ref["ambiguous"], ref["moving"][ref["ambiguous"]]
+        between = (grad[near] * moving >= 0) & (np.abs(grad[near]) <= np.abs(moving) * (1 + tol) + tol)
+        assert between.all()
         for key, value in ref["metrics"].items():
             mtol = max(tol, 1e-6)  # verl divides by n + 1e-8
             if key in ("actor/pg_clipfrac", "actor/pg_clipfrac_lower", "actor/sat_intercepted_frac"):
@@ -144,16 +145,18 @@ def test_fused_equals_the_equations(level):
         flags.append(ref["bites"])
 
     check()
-    assert_biting_share(flags, f"fused = the equations [{level}]")
+    # half the draws are bf16, where the 8-ulp rounding margin around each endpoint is 1/16 in r:
+    # about 20% of those draws bite against about 40% in fp32/fp64, so the floor is a quarter
+    assert_biting_share(flags, f"loss = the equations [{level}]", minimum=0.25)
 
 
 @pytest.mark.parametrize("name,base", [("sat", "vanilla"), ("sat_gspo", "gspo")])
-def test_fused_is_exact_off_the_gated_tokens(name, base):
+def test_exact_off_the_gated_tokens(name, base):
     """fp32, a batch with a gate: off the gated tokens (token level) or responses (sequence level)
     every gradient is verl's vanilla / gspo, bit for bit."""
     b = random_batch(11, 32, 64, scale=0.3)
     with loss_context() as ctx:
-        _, grad, metrics = fused(name, b, "token-sum", sat_alpha=0.5)
+        _, grad, metrics = run(name, b, "token-sum", sat_alpha=0.5)
     lp = b["log_prob"].clone().requires_grad_(True)
     loss = get_policy_loss_fn(base)(
         b["old_log_prob"], lp, b["advantages"], b["response_mask"], "token-sum", actor_config(base)
@@ -175,13 +178,13 @@ def test_padding_holding_inf_or_nan_keeps_everything_finite(name, base, pad, whe
     """SAT on: loss, gradient and every metric finite, and equal to those of clean padding."""
     b = random_batch(5, 16, 16, scale=0.3 if gated else 0.0)
     b["response_mask"][:, -3:] = 0  # every row has padding
-    clean = fused(name, b, agg, sat_alpha=0.5)
+    clean = run(name, b, agg, sat_alpha=0.5)
     assert (clean[2]["actor/sat_gate_rate"] > 0) == gated
     dirty = {k: v.clone() for k, v in b.items()}
     pad_at = ~b["response_mask"].bool()
     for key in ["log_prob", "old_log_prob"] if where == "both" else [where]:
         dirty[key][pad_at] = pad
-    loss, grad, metrics = fused(name, dirty, agg, sat_alpha=0.5)
+    loss, grad, metrics = run(name, dirty, agg, sat_alpha=0.5)
     assert torch.isfinite(loss) and torch.all(torch.isfinite(grad))
     assert all(math.isfinite(v) for v in metrics.values())
     assert torch.equal(loss, clean[0]) and torch.equal(grad, clean[1])
@@ -194,7 +197,7 @@ def test_sat_off_keeps_verls_loss_with_nan_padding(name, base):
     b = random_batch(5, 4, 16)
     b["response_mask"][:, -3:] = 0
     b["log_prob"][:, -3:] = float("nan")
-    off = fused(name, b, "seq-mean-token-mean", sat_enabled=False)[0]
+    off = run(name, b, "seq-mean-token-mean", sat_enabled=False)[0]
     lp = b["log_prob"].clone().requires_grad_(True)
     verl = get_policy_loss_fn(base)(
         b["old_log_prob"], lp, b["advantages"], b["response_mask"], "seq-mean-token-mean", actor_config(base)
