@@ -51,15 +51,9 @@ def resolve(
     config_name: str = "sat_gspo_cpu",
 ) -> DictConfig:
     """The config as ``verl_sat.main`` hands it to verl: the grid's cell (``verl_sat.paper.grid``)
-    or ``config_name`` composed with ``overrides``, ``sat.*`` mapped by ``verl_sat.trainer.recipe``
-    (Megatron's betas, lag, actor, routing replay), then resolved."""
-    from verl_sat.trainer.recipe import (
-        SATRecipeConfig,
-        apply_actor,
-        apply_lag,
-        apply_megatron_betas,
-        apply_routing_replay,
-    )
+    or ``config_name`` composed with ``overrides``, then changed by ``verl_sat.trainer.recipe.resolve``
+    (the function the launch runs; its lines go to stderr), then resolved."""
+    from verl_sat.trainer.recipe import resolve as resolve_recipe
 
     extra = ([f"sat.run_dir={run_dir}"] if run_dir else []) + list(overrides)
     if method is not None and lag is not None:
@@ -73,11 +67,7 @@ def resolve(
 
         with initialize_config_dir(config_dir=str(hydra_config_dir()), version_base=None):
             cfg = compose(config_name=config_name, overrides=extra)
-    sat = SATRecipeConfig.from_node(cfg.get("sat"))
-    apply_megatron_betas(cfg)
-    apply_lag(cfg, sat.lag)
-    apply_actor(cfg, sat.actor)
-    apply_routing_replay(cfg, sat.routing_replay)
+    resolve_recipe(cfg, log=lambda line: print(line, file=sys.stderr))
     cfg = OmegaConf.create(OmegaConf.to_container(cfg, resolve=True))
     local_dir = str(get(cfg, "trainer.default_local_dir", ""))
     if get(cfg, "sat.run_dir") and (not local_dir or "checkpoints/" in local_dir):
