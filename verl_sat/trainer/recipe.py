@@ -71,7 +71,7 @@ class SATRecipeConfig:
         routing_replay: ``disabled`` | ``R2`` | ``R3`` (docs/routing_replay.md).
         run_dir: where the run writes metrics.jsonl, run.json and checkpoints.
         method: the Table-1 row this run stands for (for the report); None: derived from the
-            loss, rollout correction and routing replay (``verl_sat.paper.table.derive_method``).
+            loss, rollout correction and routing replay (:func:`derive_method`).
         actor: use AsyncSATActor (``trainer_mode=sat_<mode>``: per-sample staleness + diagnostics).
         actor_class: the actor worker class, a dotted path: ``AsyncSATActor`` or a subclass of it.
         default_assets: build the embedded tiny model and task (CPU default) if missing.
