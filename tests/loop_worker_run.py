@@ -10,7 +10,7 @@ optimizer step on that batch
 - through the product's actor worker: verl's ``ActorRolloutRefWorker`` under ``AsyncSATActor``
   (``sat_ppo_loss``, the composed FSDP2 engine with R3 replay and the step's q), built by verl's
   own ``init_model`` from the composed ``sat_gspo_cpu`` config with ``sat.*`` mapped by
-  ``verl_sat.main.apply_recipe``, fed as verl's driver feeds ``update_actor``
+  ``verl_sat.trainer.recipe.resolve``, fed as verl's driver feeds ``update_actor``
   (``left_right_2_no_padding``; bypass: old_log_probs = rollout_log_probs; decoupled TIS:
   verl's ``compute_rollout_correction_and_add_to_batch``),
 
@@ -118,8 +118,7 @@ def product_config(model_dir: str, overrides: list[str]):
     from hydra import compose, initialize_config_dir
 
     from verl_sat.files import hydra_config_dir
-    from verl_sat.main import apply_recipe
-    from verl_sat.trainer.recipe import SATRecipeConfig
+    from verl_sat.trainer.recipe import resolve
 
     base = [
         f"actor_rollout_ref.model.path={model_dir}",
@@ -134,7 +133,7 @@ def product_config(model_dir: str, overrides: list[str]):
     ]
     with initialize_config_dir(config_dir=str(hydra_config_dir()), version_base=None):
         cfg = compose(config_name="sat_gspo_cpu", overrides=[*base, *overrides, "sat.routing_replay=R3"])
-    apply_recipe(cfg, SATRecipeConfig.from_node(cfg.get("sat")))
+    resolve(cfg)  # what verl_sat.main.prepare does to the composed config before verl reads it
     return cfg
 
 

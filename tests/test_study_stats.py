@@ -93,8 +93,11 @@ def test_wilcoxon_exact_p_of_small_samples():
     assert wilcoxon_p([-1.0, -2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0]) == pytest.approx(10 / 256)
     # ties: |d| = 1, 1, 2, 2 get mid-ranks 1.5, 1.5, 3.5, 3.5; signed sum 3; P(|S| >= 3) = 1/4 + 1/2
     assert wilcoxon_p([1.0, 1.0, 2.0, -2.0]) == pytest.approx(3 / 4)
-    # zeros are dropped (Wilcoxon's rule, not Pratt's): three positive values left, 2 / 2^3
+    # zeros are dropped (Wilcoxon's rule): three positive values left, 2 / 2^3
     assert wilcoxon_p([0.0, 0.0, 1.0, 2.0, 3.0]) == pytest.approx(2 / 8)
+    # -1, -1, -1, 2 rank -2, -2, -2, +4 (S = -2) and every flip reaches |S| >= 2; Pratt's rule, which
+    # ranks the zero too (-3, -3, -3, +5), would find 6 of 16 flips below |S| = 4
+    assert wilcoxon_p([0.0, -1.0, -1.0, -1.0, 2.0]) == 1.0
     assert wilcoxon_p([0.0, 0.0]) == 1.0  # nothing left to rank
     with pytest.raises(ValueError, match="1..20"):
         wilcoxon_p([float(k) for k in range(1, 22)])
