@@ -105,7 +105,7 @@ def test_a_flood_of_one_error_is_capped_and_a_new_error_still_shows():
     assert len(log) == 50 * len(one) + len(new)
 
 
-def test_raylet_lines_are_kept_and_verl_sat_lines_lose_rays_prefix():
+def test_raylet_lines_are_kept_and_verl_sat_lines_the_bar_and_step_lines_lose_rays_prefix():
     oom = "[2026-12-01 09:40:00] A worker was killed due to memory pressure"
     bar = "Training Progress:  50%|#####     | 1/2 [00:12<00:12, 12.03s/it]"
     records = [
@@ -118,14 +118,37 @@ def test_raylet_lines_are_kept_and_verl_sat_lines_lose_rays_prefix():
     assert terminal == [
         f"(pid=raylet) {oom}",
         "[verl-sat] sentinel: collapse signature at step 9",
-        f"(TaskRunnerV1 pid=1) {bar}",
-        "(TaskRunnerV1 pid=1) step:3 - critic/score/mean:0.5 - actor/pg_loss:0.1",
+        bar,
+        "step:3 - critic/score/mean:0.5 - actor/pg_loss:0.1",
     ]
 
 
 def test_verbose_leaves_the_terminal_to_rays_printer_and_still_logs():
     terminal, log = shown([record(CHATTER)], verbose=True)
     assert terminal == [] and len(log) == len(CHATTER)
+
+
+def test_the_driver_streams_and_the_root_loggers_handler_go_to_the_log_and_come_back(tmp_path, monkeypatch):
+    """verl's driver-side ``logging`` reaches Hydra's handler on the real stream: into console.log
+    while the job runs (with the driver's prints), back to the terminal after."""
+    import logging
+
+    terminal = io.StringIO()
+    monkeypatch.setattr(sys, "stdout", terminal)
+    handler = logging.StreamHandler(terminal)
+    root = logging.getLogger()
+    root.addHandler(handler)
+    try:
+        with quiet_console(tmp_path / "console.log") as out:
+            print("ray init kwargs: {}")
+            root.warning("Platform override from VERL_PLATFORM: cpu")
+            print("[verl-sat] step 1", file=out)
+        root.warning("after")
+    finally:
+        root.removeHandler(handler)
+    assert terminal.getvalue().splitlines() == ["[verl-sat] step 1", "after"]
+    log = (tmp_path / "console.log").read_text().splitlines()
+    assert log[0] == "ray init kwargs: {}" and "Platform override from VERL_PLATFORM: cpu" in log
 
 
 def wait_for(path: Path, text: str, seconds: float = 60.0) -> str:

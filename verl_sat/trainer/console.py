@@ -6,26 +6,27 @@ Ray's default) as records: which process (``pid``, ``actor_name`` or ``task_name
 printer of those records, right after verl's ``ray.init``. Every line goes to
 ``<run_dir>/console.log`` with Ray's ``(name pid=N)`` prefix; the terminal gets only:
 
-- verl-sat's own lines (``[verl-sat] ...``, without Ray's prefix);
-- verl's ``Training Progress`` bar (the latest bar of a line) and its console-logger lines
-  (``step:N - ...``, when ``trainer.logger`` includes ``console``);
+- verl-sat's own lines (``[verl-sat] ...``), verl's ``Training Progress`` bar (the latest bar of
+  a line) and its console-logger lines (``step:N - ...``, when ``trainer.logger`` includes
+  ``console``), all three without Ray's prefix;
 - errors: a worker's traceback from its first line to the exception line, lines at ERROR /
   CRITICAL / FATAL level, fatal signals and OOM kills, and all of Ray's raylet lines. Repeats are
   capped: a worker's first MAX_FULL_TRACEBACKS tracebacks show whole, later ones by their
   exception line if it is new; an error line shows MAX_REPEATS times (all of it stays in console.log).
 
-The driver's own stdout and stderr (verl's ``ray init kwargs``, its config check) go to
-console.log too; verl-sat's driver-side lines are written to the terminal stream this context
-yields. A worker's exception that ends the run reaches the driver as ``RayTaskError``, which
-carries the worker's traceback, and prints whole once the streams are restored. Ray's own logger
-keeps the real stream (its start-up lines, its errors about dead workers). ``sat.verbose=true``
-keeps Ray's printer and the driver's streams: everything shows, and console.log still gets the
-workers' lines.
+The driver's own stdout and stderr (verl's ``ray init kwargs``, its config check) and the root
+logger's stream handlers (Hydra's, which verl's driver-side ``logging`` reaches) go to console.log
+too; verl-sat's driver-side lines are written to the terminal stream this context yields. A
+worker's exception that ends the run reaches the driver as ``RayTaskError``, which carries the
+worker's traceback, and prints whole once the streams are restored. Ray's own logger keeps the real
+stream (its start-up lines, its errors about dead workers). ``sat.verbose=true`` keeps Ray's
+printer and the driver's streams: everything shows, and console.log still gets the workers' lines.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import sys
 from collections import Counter
 from collections.abc import Iterator
@@ -44,6 +45,7 @@ PROGRESS = "Training Progress"
 TRACEBACK = "Traceback (most recent call last):"
 CHAINED = ("During handling of the above exception", "The above exception")
 STEP_LOG = "step:"  # verl's console logger (``trainer.logger`` with ``console``): "step:3 - key:value - ..."
+OWN_LINES = (VERL_SAT, PROGRESS, STEP_LOG)  # shown without Ray's prefix; errors keep theirs
 # What marks a line as an error: logging levels (Python, Ray, TransferQueue, glog), fatal signals, OOM.
 ERROR_MARKS = ("ERROR", "CRITICAL", "FATAL", "Fatal Python error", "Segmentation fault", "core dumped", "Killed")
 ERROR_MARKS += ("out of memory", "OutOfMemory")
@@ -74,7 +76,7 @@ class WorkerOutput:
             self.log.write(f"({source}) {line}\n")
             shown = None if self.verbose else self.console_text(line, (pid, bool(data.get("is_err"))))
             if shown is not None:
-                self.terminal.write((shown if shown.startswith(VERL_SAT) else f"({source}) {shown}") + "\n")
+                self.terminal.write((shown if shown.startswith(OWN_LINES) else f"({source}) {shown}") + "\n")
         self.log.flush()
         self.terminal.flush()
 
@@ -123,7 +125,7 @@ def quiet_console(log_path: Path, verbose: bool = False) -> Iterator[TextIO]:
     from ray._private import worker as ray_worker
     from ray._private.ray_logging import global_worker_stdstream_dispatcher as dispatcher
 
-    terminal = sys.stdout
+    terminal, terminal_err = sys.stdout, sys.stderr
     with open(log_path, "a", encoding="utf-8", buffering=1) as log:
         handler = WorkerOutput(log, terminal, verbose)
 
@@ -138,6 +140,10 @@ def quiet_console(log_path: Path, verbose: bool = False) -> Iterator[TextIO]:
                 if not verbose:
                     streams.enter_context(contextlib.redirect_stdout(log))
                     streams.enter_context(contextlib.redirect_stderr(log))
+                    for root_handler in logging.getLogger().handlers:  # Hydra's console handler
+                        stream = getattr(root_handler, "stream", None)
+                        if isinstance(root_handler, logging.StreamHandler) and stream in (terminal, terminal_err):
+                            streams.callback(root_handler.setStream, root_handler.setStream(log))
                 yield terminal
         finally:
             ray_worker._post_init_hooks.remove(attach)
