@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import importlib
 import json
 import threading
@@ -172,6 +173,29 @@ def test_alarm_stops_stuck_work_in_the_main_thread() -> None:
         assert call_with_alarm(lambda: 7, 1.0) == 7
     finally:
         release.set()
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")  # the swallowed alarm, reported
+def test_an_alarm_swallowed_in_a_gc_callback_is_followed_by_another() -> None:
+    """Python only reports an exception raised in a gc callback (hypothesis installs one), so an
+    alarm landing there is lost; the alarm repeats, so the next one stops the work."""
+
+    def slow_callback(phase: str, info: dict) -> None:
+        if phase == "start":
+            time.sleep(0.3)  # the first alarm (at 0.1 s) lands here
+
+    def stuck() -> int:
+        gc.collect()
+        deadline = time.monotonic() + 30  # without a second alarm the work ends on its own: 1, not None
+        while time.monotonic() < deadline:
+            time.sleep(0.01)
+        return 1
+
+    gc.callbacks.append(slow_callback)
+    try:
+        assert call_with_alarm(stuck, 0.1) is None
+    finally:
+        gc.callbacks.remove(slow_callback)
 
 
 # Equal answers whose symbolic check takes SymPy many seconds (6 s at exponent 300 on the CI machine;

@@ -201,20 +201,30 @@ class _Timeout(BaseException):
     """
 
 
+# The alarm repeats every this many seconds until the work stops: an alarm whose exception is
+# swallowed (it landed in a gc callback or a ``__del__``, where Python only reports it) is followed by another.
+ALARM_REPEAT_S = 0.05
+_alarm_armed = False
+
+
 def _raise_timeout(signum: int, frame: Any) -> None:
-    raise _Timeout
+    if _alarm_armed:  # a late alarm, after the work ended, does nothing
+        raise _Timeout
 
 
 def call_with_alarm(fn: Callable[[], _T], seconds: float) -> _T | None:
     """Run ``fn()`` in the main thread under a SIGALRM after ``seconds``; None if it raises or
     runs past that (the alarm interrupts it at its next Python instruction, as math-verify's own
     timeouts do; a single C call, e.g. a huge integer power, cannot be: ``_too_costly`` refuses those)."""
+    global _alarm_armed
     previous = signal.signal(signal.SIGALRM, _raise_timeout)
-    signal.setitimer(signal.ITIMER_REAL, seconds)
     try:
+        _alarm_armed = True
+        signal.setitimer(signal.ITIMER_REAL, seconds, ALARM_REPEAT_S)
         try:
             return fn()
-        finally:  # an alarm that fires here, just as fn() returns, is caught below too
+        finally:
+            _alarm_armed = False  # first, before any call: an alarm handled after this line does nothing
             signal.setitimer(signal.ITIMER_REAL, 0)
     except (Exception, _Timeout):
         return None
