@@ -49,8 +49,8 @@ GRACE_S = 20.0
 
 
 def dead_actors() -> set[str] | None:
-    """Ids of the cluster's dead actors, on every node, from Ray's GCS; None when this process
-    is not connected to Ray (before verl's ``ray.init``, after its shutdown)."""
+    """Ids of this job's dead actors, on every node, from Ray's GCS; None when this process is
+    not connected to Ray (before verl's ``ray.init``, after its shutdown)."""
     import ray
 
     if not ray.is_initialized():
@@ -58,7 +58,8 @@ def dead_actors() -> set[str] | None:
     from ray._private import state
 
     try:
-        return set(state.actors(actor_state_name="DEAD"))
+        job = ray.JobID.from_hex(ray.get_runtime_context().get_job_id())
+        return set(state.actors(job_id=job, actor_state_name="DEAD"))
     except Exception:  # Ray shutting down under us
         return None
 
