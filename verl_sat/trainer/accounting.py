@@ -108,7 +108,7 @@ def summarize(run_dir: Path) -> dict[str, Any]:
     - ``lost_in_flight``: handed to the rollout and neither trained nor in flight at the end;
     - ``skipped``: ids the sampler's first epoch put before the last one handed out that were
       never handed out (null when the epoch order is not recorded);
-    - ``regenerated``: in-flight prompts re-issued on resume; ``resubmitted``: ids handed out twice;
+    - ``regenerated``: in-flight prompts re-issued on resume;
     - ``staleness``: responses trained per staleness (optimizer steps, the response's worst case).
     """
     rows = read_jsonl(Path(run_dir) / SAMPLES_FILE)
@@ -146,7 +146,6 @@ def summarize(run_dir: Path) -> dict[str, Any]:
         "prompts_trained": len(trained),
         "responses_trained": responses,
         "repeated": sorted(_jsonable(k) for k, v in trained_steps.items() if len(set(v)) > 1),
-        "resubmitted": sorted(_jsonable(k) for k, c in Counter(submitted).items() if c > 1),
         "in_flight_at_end": None if in_flight_uids is None else len(untrained & in_flight),
         "lost_in_flight": None if in_flight_uids is None else sorted(_jsonable(k) for k in untrained - in_flight),
         "regenerated": regenerated,
