@@ -154,16 +154,16 @@ def test_run_dir_refuses_to_overwrite_a_run(tmp_path):
     cfg.trainer.resume_mode = "auto"
     with pytest.raises(FileExistsError, match="no checkpoint to resume from"):
         make_run_dir(cfg, sat)
-    # with a complete, tracked checkpoint, the earlier lines are kept aside, not truncated by verl
+    # with a complete, tracked checkpoint, the earlier lines stay (verl's logger, which opens the file
+    # with "wb", writes them back: accounting.keep_metrics_on_resume)
     (run_dir / "checkpoints" / "latest_checkpointed_iteration.txt").write_text("1")
     (step_dir / "transfer_queue").mkdir()
     cfg = v1_config()
     cfg.trainer.resume_mode = "auto"
     make_run_dir(cfg, sat)
-    assert [json.loads(line) for line in (run_dir / "metrics.prefix.jsonl").read_text().splitlines()] == [
+    assert [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()] == [
         {"step": 1, "data": {}}
     ]
-    assert not (run_dir / "metrics.jsonl").exists()
 
 
 def test_progress_and_summary_read_verls_file_logger(tmp_path):

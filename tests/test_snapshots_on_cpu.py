@@ -182,7 +182,7 @@ def test_verls_save_keeps_as_many_snapshots_as_actors(tmp_path: Path, monkeypatc
 def test_a_cpu_run_keeps_only_the_kept_snapshots_and_a_full_disk_ends_it(cached_default_assets: Path, tmp_path: Path):
     """``python -m verl_sat.main`` on the CPU default (separate_async, lag 2), 4 steps with
     ``save_freq=1`` and ``max_actor_ckpt_to_keep=2``, the disk filling during step 4's checkpoint
-    (``sat.faults.checkpoint_enospc_step=4``). One launch for two guards (CI time):
+    (``sat.actor_class=disk_full.DiskFullActor``, tests/disk_full.py). One launch for two guards (CI time):
 
     - snapshots go with their actors: after step 3's save verl pruned step 1's actor and verl-sat
       its snapshot, so nothing of step 1 is left;
@@ -202,11 +202,14 @@ def test_a_cpu_run_keeps_only_the_kept_snapshots_and_a_full_disk_ends_it(cached_
         "trainer.total_training_steps=4",
         "trainer.save_freq=1",
         "trainer.max_actor_ckpt_to_keep=2",
-        "sat.faults.checkpoint_enospc_step=4",
+        "sat.actor_class=disk_full.DiskFullActor",
         f"sat.heldout.problems={HELDOUT_N}",
         "sat.heldout.at=[0,2]",
     ]
     env = {k: v for k, v in os.environ.items() if not k.startswith(("VERL_FILE_LOGGER", "VERL_SAT_RUN_DIR"))}
+    tests = str(Path(__file__).resolve().parent)  # disk_full, for the driver and (inherited) every worker
+    env["PYTHONPATH"] = os.pathsep.join([tests, *filter(None, [env.get("PYTHONPATH")])])
+    env["VERL_SAT_TEST_ENOSPC_STEP"] = "4"  # the global step whose checkpoint fills the disk
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env, cwd=tmp_path)
     console = out.stdout + out.stderr
     assert out.returncode == 1, console[-6000:]
