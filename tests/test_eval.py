@@ -62,6 +62,8 @@ def test_pass_at_k_invariants(counts: tuple[int, int]) -> None:
     assert all(b >= a - 1e-12 for a, b in zip(values, values[1:], strict=False))  # monotone in k
     assert all(-1e-12 <= v <= 1 + 1e-12 for v in values)
     assert all(v >= c / n - 1e-12 for v in values)  # pass@k >= avg
+    assert values[0] == c / n  # exactly: avg@k == pass@1 to the last bit (docs/eval.md)
+    assert values[-1] == (1.0 if c else 0.0)  # k = n: some sample right, exactly
 
 
 @settings(max_examples=100, deadline=None)

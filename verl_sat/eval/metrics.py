@@ -10,6 +10,7 @@ Both return fractions in [0, 1]; reports print percentages.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 
@@ -25,13 +26,9 @@ def pass_at_k_per_problem(n: int, c: int, k: int) -> float:
     _check_counts(n, c)
     if not 1 <= k <= n:
         raise ValueError(f"k must be in [1, n={n}], got k={k}")
-    if n - c < k:
-        return 1.0
-    # C(n-c, k) / C(n, k) = prod_{i=n-c+1}^{n} (1 - k / i), numerically stable.
-    fail = 1.0
-    for i in range(n - c + 1, n + 1):
-        fail *= 1.0 - k / i
-    return 1.0 - fail
+    # Chen et al.'s Eq. 1 in exact integers (math.comb; C(n-c, k) = 0 when n - c < k), then one
+    # correctly rounded division, so pass@1 is c / n to the last bit.
+    return (math.comb(n, k) - math.comb(n - c, k)) / math.comb(n, k)
 
 
 def pass_at_k(counts: Sequence[tuple[int, int]], k: int) -> float:
