@@ -100,3 +100,26 @@ def test_the_sat_node_is_read_in_one_pass_naming_a_bad_key_under_its_prefix():
         SATRecipeConfig.from_node({"foo": 1, "bar": 2})
     with pytest.raises(ValueError, match=r"sat\.sentinel\.window must be an integer >= 2, got 'x'"):
         SATRecipeConfig.from_node({"sentinel": {"window": "x"}})
+
+
+def test_every_checked_field_refuses_a_wrong_value_naming_its_dotted_key():
+    """Each field declared with config_node.checked (flag, one_of, integer, number, text) is checked
+    when its section is built: a value no check accepts (an object) is refused, naming the key and the
+    value; the declared default passes its own check."""
+    import dataclasses
+
+    from verl_sat.trainer.auto_lag import AutoLagConfig
+    from verl_sat.trainer.recipe import SATRecipeConfig
+    from verl_sat.trainer.sentinel import SentinelConfig
+
+    sections = {"sat": SATRecipeConfig, "sat.sentinel": SentinelConfig, "sat.auto_lag": AutoLagConfig}
+    checked = 0
+    for prefix, cls in sections.items():
+        for field in dataclasses.fields(cls):
+            if "ok" not in field.metadata:
+                continue
+            assert field.metadata["ok"](field.default), f"{prefix}.{field.name}'s default fails its own check"
+            with pytest.raises(ValueError, match=rf"^{prefix}\.{field.name} must be .*, got <object object"):
+                cls(**{field.name: object()})
+            checked += 1
+    assert checked >= 25  # every section declares its values' checks

@@ -33,6 +33,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from verl_sat.trainer.config_node import check_fields, config_from_node, flag, integer, number, one_of
+
 AUTO = "auto"
 SIGNALS: dict[str, str] = {
     "dbar_pi": "actor/mismatch_abs_mean",
@@ -58,32 +60,20 @@ class AutoLagConfig:
             false: any batch (the first auto-lag study's rule).
     """
 
-    target: float = 0.02
-    min: int = 1
-    max: int = 8
-    signal: str = "dbar_pi"
-    fresh: bool = True
+    target: float = number(0.02, strictly_positive=True, expected="a number")
+    min: int = integer(1, low=1)
+    max: int = integer(8, low=1)
+    signal: str = one_of("dbar_pi", sorted(SIGNALS))
+    fresh: bool = flag(True, expected="true or false")
 
     def __post_init__(self) -> None:
-        for name in ("min", "max"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"sat.auto_lag.{name} must be an integer >= 1, got {value!r}")
+        check_fields(self, "sat.auto_lag")
         if self.min > self.max:
             raise ValueError(f"sat.auto_lag.min={self.min} must be <= sat.auto_lag.max={self.max}")
-        target = self.target
-        if isinstance(target, bool) or not isinstance(target, int | float) or not math.isfinite(target) or target <= 0:
-            raise ValueError(f"sat.auto_lag.target must be a number > 0, got {target!r}")
-        if self.signal not in SIGNALS:
-            raise ValueError(f"sat.auto_lag.signal must be one of {sorted(SIGNALS)}, got {self.signal!r}")
-        if not isinstance(self.fresh, bool):
-            raise ValueError(f"sat.auto_lag.fresh must be true or false, got {self.fresh!r}")
 
     @classmethod
     def from_node(cls, node: Any) -> AutoLagConfig:
         """Build from ``sat.auto_lag`` (a mapping or None); an unknown key is an error naming it."""
-        from verl_sat.trainer.config_node import config_from_node
-
         return config_from_node(cls, node, "sat.auto_lag")
 
     @property
@@ -138,14 +128,12 @@ def suggest_targets(rows: Sequence[Mapping[str, Any]]) -> dict[int, float]:
     """dbar_pi by staleness from a fixed-lag run's metrics: {s: mean over steps of
     ``actor/sat_by_staleness/<s>/mismatch_abs_mean``}. ``target = D(s)`` broadcasts about when the
     batch's mismatch reaches what s steps of staleness gave in that run (docs/async.md)."""
-    sums: dict[int, list[float]] = {}
-    for row in rows:
-        for key, value in row.items():
-            parts = key.split("/")
-            if key.startswith(BY_STALENESS + "/") and parts[-1] == "mismatch_abs_mean" and parts[-2].isdigit():
-                if isinstance(value, int | float) and math.isfinite(value):
-                    sums.setdefault(int(parts[-2]), []).append(float(value))
-    return {s: sum(v) / len(v) for s, v in sorted(sums.items())}
+    import pandas as pd
+
+    frame = pd.DataFrame(list(rows)).filter(regex=rf"^{BY_STALENESS}/\d+/mismatch_abs_mean$")
+    frame = frame.apply(pd.to_numeric, errors="coerce").replace([math.inf, -math.inf], math.nan)
+    means = {int(key.split("/")[-2]): mean for key, mean in frame.mean().items()}  # NaN skipped
+    return {s: float(means[s]) for s in sorted(means) if math.isfinite(means[s])}
 
 
 def suggestion_line(rows: Sequence[Mapping[str, Any]]) -> str | None:

@@ -20,6 +20,7 @@ held-out sums are the CPU default's task, scored by the CPU rollout engine (both
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 from verl_sat.default.heldout import HELDOUT_GREEDY_KEY, HELDOUT_KEY, HeldoutConfig
@@ -45,11 +46,21 @@ def heldout_spec(heldout: HeldoutConfig, tokenizer_path: str, max_response_lengt
     }
 
 
+@functools.lru_cache(maxsize=1)
+def heldout_inputs(tokenizer_path: str, problems: int, seed: int) -> tuple[Any, list[Any]]:
+    """The tokenizer and the held-out sums, made once per worker process (the same at every step)."""
+    from transformers import AutoTokenizer
+
+    from verl_sat.default.heldout import heldout_problems
+
+    return AutoTokenizer.from_pretrained(tokenizer_path), heldout_problems(problems, seed)
+
+
 def score_worker_model(worker: Any, spec: dict[str, Any]) -> dict[str, float]:
     """On an actor worker: the held-out accuracy of its engine's model (FSDP), in eval mode."""
     import torch
 
-    from verl_sat.default.heldout import heldout_accuracy, heldout_problems
+    from verl_sat.default.heldout import heldout_accuracy
 
     engine = worker.actor.engine
     module = getattr(engine, "module", None)
@@ -57,17 +68,7 @@ def score_worker_model(worker: Any, spec: dict[str, Any]) -> dict[str, float]:
         raise RuntimeError(
             f"sat.heldout: the actor's engine {type(engine).__name__} has no transformers model to score"
         )
-    cache = worker.__dict__.setdefault("_sat_heldout_cache", {})
-    key = (spec["tokenizer"], spec["problems"], spec["seed"])
-    if key not in cache:
-        from transformers import AutoTokenizer
-
-        cache.clear()
-        cache[key] = (
-            AutoTokenizer.from_pretrained(spec["tokenizer"]),
-            heldout_problems(spec["problems"], spec["seed"]),
-        )
-    tokenizer, problems = cache[key]
+    tokenizer, problems = heldout_inputs(spec["tokenizer"], spec["problems"], spec["seed"])
     with engine.eval_mode(), torch.no_grad():
         return heldout_accuracy(module, tokenizer, problems, spec["samples"], spec["seed"], spec["max_response_length"])
 

@@ -70,6 +70,7 @@ RAY_ENV_VARS = (
     "VERL_USE_EXTERNAL_PLUGINS",
 )
 RAY_ENV_PREFIX = "VERL_SAT_"
+RAY_ENV_KEY = "ray_kwargs.ray_init.runtime_env.env_vars"  # verl's run_ppo passes it to ray.init
 
 
 # ---------------------------------------------------------------------------------------------
@@ -261,15 +262,11 @@ def pass_env_to_ray(cfg: DictConfig, names: tuple[str, ...] = RAY_ENV_VARS, pref
     passes it to ``ray.init``, so every worker of the job gets the variables, on a pre-started
     cluster too. A variable the user already set there, and every other entry, is kept.
     """
+    names = [*names, *sorted(n for n in os.environ if prefix and n.startswith(prefix))]
+    theirs = OmegaConf.select(cfg, RAY_ENV_KEY) or {}
+    ours = {name: os.environ[name] for name in names if name in os.environ and name not in theirs}
     with open_dict(cfg):
-        env_vars = cfg
-        for key in ("ray_kwargs", "ray_init", "runtime_env", "env_vars"):
-            if env_vars.get(key) is None:
-                env_vars[key] = {}
-            env_vars = env_vars[key]
-        for name in dict.fromkeys([*names, *sorted(n for n in os.environ if prefix and n.startswith(prefix))]):
-            if name in os.environ and name not in env_vars:
-                env_vars[name] = os.environ[name]
+        OmegaConf.update(cfg, RAY_ENV_KEY, ours, merge=True, force_add=True)
 
 
 # ---------------------------------------------------------------------------------------------

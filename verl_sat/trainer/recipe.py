@@ -45,7 +45,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from verl_sat.default.heldout import HeldoutConfig
 from verl_sat.sat.config import SATPolicyLossConfig, sat_settings
 from verl_sat.trainer.auto_lag import AUTO, AutoLagConfig
-from verl_sat.trainer.config_node import config_from_node
+from verl_sat.trainer.config_node import check_fields, checked, config_from_node, flag, one_of
 from verl_sat.trainer.faults import FaultConfig
 from verl_sat.trainer.sentinel import SentinelConfig
 
@@ -58,6 +58,15 @@ ASYNC_MODE = "separate_async"
 OFF_POLICY_THRESHOLD = 2
 # verl's dropless max_off_policy_strategy (replay_buffer.py); "drop" evicts late groups.
 NO_DROP_STRATEGY = "wait"
+TRUE_OR_FALSE = "true or false"
+
+
+def _is_lag(value: Any) -> bool:
+    return value == AUTO or (isinstance(value, int) and not isinstance(value, bool) and value >= 1)
+
+
+def _is_method(value: Any) -> bool:
+    return value is None or (isinstance(value, str) and bool(value.strip()))
 
 
 @dataclass
@@ -86,38 +95,26 @@ class SATRecipeConfig:
             docs/study.md); off by default.
     """
 
-    lag: int | str = 1
-    routing_replay: str = "disabled"
+    lag: int | str = checked(1, _is_lag, f"an integer >= 1 or {AUTO!r}")
+    routing_replay: str = one_of("disabled", ROUTING_REPLAY_MODES)
     run_dir: str | None = None
-    method: str | None = None
-    actor: bool = True
+    method: str | None = checked(None, _is_method, "a non-empty name or null (derived)")
+    actor: bool = flag(True, expected=TRUE_OR_FALSE)
     actor_class: str = "verl_sat.trainer.actor.AsyncSATActor"
-    default_assets: bool = False
+    default_assets: bool = flag(False, expected=TRUE_OR_FALSE)
     assets_dir: str | None = None
-    verbose: bool = False
+    verbose: bool = flag(False, expected=TRUE_OR_FALSE)
     sentinel: SentinelConfig = field(default_factory=SentinelConfig)
     faults: FaultConfig = field(default_factory=FaultConfig)
-    strategy: str = "fsdp"
+    strategy: str = one_of("fsdp", STRATEGIES)
     auto_lag: AutoLagConfig = field(default_factory=AutoLagConfig)
     heldout: HeldoutConfig = field(default_factory=HeldoutConfig)
 
     def __post_init__(self) -> None:
-        if self.strategy not in STRATEGIES:
-            raise ValueError(f"sat.strategy must be one of {list(STRATEGIES)}, got {self.strategy!r}")
-        if self.lag != AUTO and (isinstance(self.lag, bool) or not isinstance(self.lag, int) or self.lag < 1):
-            raise ValueError(f"sat.lag must be an integer >= 1 or {AUTO!r}, got {self.lag!r}")
-        if self.routing_replay not in ROUTING_REPLAY_MODES:
-            raise ValueError(
-                f"sat.routing_replay must be one of {list(ROUTING_REPLAY_MODES)}, got {self.routing_replay!r}"
-            )
-        if self.method is not None and (not isinstance(self.method, str) or not self.method.strip()):
-            raise ValueError(f"sat.method must be a non-empty name or null (derived), got {self.method!r}")
+        check_fields(self, "sat")
         from verl_sat.trainer.actor import actor_class_of
 
         actor_class_of(self.actor_class)  # importable, an AsyncSATActor
-        for name in ("actor", "default_assets", "verbose"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"sat.{name} must be true or false, got {getattr(self, name)!r}")
         needs_actor = (
             (
                 self.sentinel.enabled,
@@ -186,8 +183,6 @@ def apply_strategy(cfg: DictConfig, strategy: str) -> list[str]:
     (fp32, mbridge, megatron's local layers) is merged over it; the CPU patches that make megatron run
     there are ``verl_sat.cpu.megatron``. ``fsdp`` leaves the config as composed.
     """
-    if strategy not in STRATEGIES:
-        raise ValueError(f"sat.strategy must be one of {list(STRATEGIES)}, got {strategy!r}")
     if strategy == "fsdp":
         return []
     from omegaconf import OmegaConf
@@ -287,8 +282,6 @@ def apply_routing_replay(cfg: DictConfig, mode: str) -> None:
     ``algorithm.rollout_correction.bypass_mode=true`` skips, so R2 with bypass mode is an error.
     ``disabled`` leaves the config untouched.
     """
-    if mode not in ROUTING_REPLAY_MODES:
-        raise ValueError(f"sat.routing_replay must be one of {list(ROUTING_REPLAY_MODES)}, got {mode!r}")
     if mode == "disabled":
         return
     actor = cfg.actor_rollout_ref.actor

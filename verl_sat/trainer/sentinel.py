@@ -61,9 +61,16 @@ from typing import Any
 
 import numpy as np
 
+from verl_sat.trainer.config_node import check_fields, checked, config_from_node, flag, integer, number, one_of, text
+
 ACTIONS = ("log", "stop", "rollback")
 AFTER_ROLLBACK = ("halve_lag", "none")
 MAD_TO_SIGMA = 1.4826  # sigma = 1.4826 MAD for gaussian noise
+MISMATCH_KEYS = ("actor/mismatch_abs_mean", "actor/sat_q")  # dbar_pi and SAT's q
+
+
+def _keys(value: Any) -> bool:
+    return isinstance(value, tuple) and all(isinstance(k, str) and k for k in value)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -106,77 +113,42 @@ class SentinelConfig:
             reach the rollout twice as often from the next step on; nothing at lag 1) or ``none``.
     """
 
-    enabled: bool = False
-    action: str = "log"
-    reward_key: str = "critic/score/mean"
-    mismatch_keys: tuple[str, ...] = ("actor/mismatch_abs_mean", "actor/sat_q")
-    grad_norm_key: str = "actor/grad_norm"
-    entropy_key: str = "actor/entropy"
-    window: int = 50
-    warmup: int = 20
-    patience: int = 3
-    reward_k: float = 3.0
-    reward_min_drop: float = 0.05
-    reward_max_rel_drop: float = 0.5
-    spike_z: float = 4.0
-    spike_lookback: int = 10
-    require_mismatch_spike: bool = True
-    aux_z: float = 4.0
-    require_aux_anomaly: bool = False
-    scale_rel_floor: float = 0.05
-    cooldown: int = 10
-    rollback_margin: int = 2
-    max_rollbacks: int = 2
-    after_rollback: str = "halve_lag"
+    enabled: bool = flag(False)
+    action: str = one_of("log", ACTIONS)
+    reward_key: str = text("critic/score/mean")
+    mismatch_keys: tuple[str, ...] = checked(MISMATCH_KEYS, _keys, "a list of non-empty strings")
+    grad_norm_key: str = text("actor/grad_norm")
+    entropy_key: str = text("actor/entropy")
+    window: int = integer(50, low=2)
+    warmup: int = integer(20, low=2)
+    patience: int = integer(3, low=1)
+    reward_k: float = number(3.0, strictly_positive=True)
+    reward_min_drop: float = number(0.05, strictly_positive=False)
+    reward_max_rel_drop: float = number(0.5, strictly_positive=False)
+    spike_z: float = number(4.0, strictly_positive=True)
+    spike_lookback: int = integer(10, low=0)
+    require_mismatch_spike: bool = flag(True)
+    aux_z: float = number(4.0, strictly_positive=True)
+    require_aux_anomaly: bool = flag(False)
+    scale_rel_floor: float = number(0.05, strictly_positive=False)
+    cooldown: int = integer(10, low=0)
+    rollback_margin: int = integer(2, low=0)
+    max_rollbacks: int = integer(2, low=0)
+    after_rollback: str = one_of("halve_lag", AFTER_ROLLBACK)
 
     def __post_init__(self) -> None:
         if isinstance(self.mismatch_keys, str):
             self.mismatch_keys = (self.mismatch_keys,)
         elif isinstance(self.mismatch_keys, Iterable):
             self.mismatch_keys = tuple(self.mismatch_keys)
-        for name in ("enabled", "require_mismatch_spike", "require_aux_anomaly"):
-            _check(name, getattr(self, name), isinstance(getattr(self, name), bool), "a bool")
-        _check("action", self.action, self.action in ACTIONS, f"one of {list(ACTIONS)}")
-        ok = self.after_rollback in AFTER_ROLLBACK
-        _check("after_rollback", self.after_rollback, ok, f"one of {list(AFTER_ROLLBACK)}")
-        for name in ("reward_key", "grad_norm_key", "entropy_key"):
-            value = getattr(self, name)
-            _check(name, value, isinstance(value, str) and bool(value), "a non-empty string")
-        ok = isinstance(self.mismatch_keys, tuple) and all(isinstance(k, str) and k for k in self.mismatch_keys)
-        _check("mismatch_keys", self.mismatch_keys, ok, "a list of non-empty strings")
-        for name, low in (("window", 2), ("patience", 1), ("spike_lookback", 0), ("cooldown", 0)):
-            _check_int(name, getattr(self, name), low)
-        for name in ("rollback_margin", "max_rollbacks"):
-            _check_int(name, getattr(self, name), 0)
-        _check_int("warmup", self.warmup, 2)
-        _check("warmup", self.warmup, self.warmup <= self.window, f"<= sat.sentinel.window ({self.window})")
-        for name in ("reward_k", "spike_z", "aux_z"):
-            _check_float(name, getattr(self, name), strictly_positive=True)
-        for name in ("reward_min_drop", "reward_max_rel_drop", "scale_rel_floor"):
-            _check_float(name, getattr(self, name), strictly_positive=False)
+        check_fields(self, "sat.sentinel")
+        if self.warmup > self.window:
+            raise ValueError(f"sat.sentinel.warmup must be <= sat.sentinel.window ({self.window}), got {self.warmup!r}")
 
     @classmethod
     def from_node(cls, node: Any) -> SentinelConfig:
         """Build from the ``sat.sentinel`` node (DictConfig, dict or None); unknown keys are an error."""
-        from verl_sat.trainer.config_node import config_from_node
-
         return config_from_node(cls, node, "sat.sentinel")
-
-
-def _check(name: str, value: Any, ok: bool, expected: str) -> None:
-    if not ok:
-        raise ValueError(f"sat.sentinel.{name} must be {expected}, got {value!r}")
-
-
-def _check_int(name: str, value: Any, low: int) -> None:
-    ok = isinstance(value, int) and not isinstance(value, bool) and value >= low
-    _check(name, value, ok, f"an integer >= {low}")
-
-
-def _check_float(name: str, value: Any, strictly_positive: bool) -> None:
-    number = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-    ok = number and (value > 0 if strictly_positive else value >= 0)
-    _check(name, value, ok, "a finite number " + ("> 0" if strictly_positive else ">= 0"))
 
 
 # ---------------------------------------------------------------------------------------------
