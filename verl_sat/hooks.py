@@ -7,27 +7,16 @@ rollout (replica and adapter), so that ``import verl`` stays as cheap as before.
 from __future__ import annotations
 
 import functools
-import importlib
-import sys
 from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
+import wrapt
+
 
 def when_imported(module_name: str, hook: Callable[[ModuleType], None]) -> None:
-    """Run ``hook(module)`` once ``module_name`` is imported (now, if it already is).
-
-    Uses ``wrapt.register_post_import_hook`` (wrapt is a dependency of verl-sat); without
-    wrapt the module is imported eagerly instead.
-    """
-    if module_name in sys.modules:
-        hook(sys.modules[module_name])
-        return
-    try:
-        import wrapt
-    except ImportError:
-        hook(importlib.import_module(module_name))
-        return
+    """Run ``hook(module)`` once ``module_name`` is imported (now, if it already is): wrapt's
+    ``register_post_import_hook`` (a dependency of verl-sat), with the module name first."""
     wrapt.register_post_import_hook(hook, module_name)
 
 

@@ -5,6 +5,14 @@ process that imports verl (Ray workers included); it is cheap and never imports 
 modules eagerly. See ``docs/cpu.md`` for the env vars and Hydra overrides of a full run.
 """
 
-from verl_sat.cpu.platform import register
+from verl_sat.cpu import platform
 
-__all__ = ["register"]
+
+def register() -> None:
+    """:func:`verl_sat.cpu.platform.register`; with ``VERL_PLATFORM=cpu``, also the Megatron patches
+    (``verl_sat.cpu.megatron``: post-import hooks, nothing is imported unless verl's Megatron engine is used)."""
+    platform.register()
+    if platform.is_selected():
+        from verl_sat.cpu import megatron
+
+        megatron.install()

@@ -1,6 +1,6 @@
 """verl's Megatron engine on CPU: run-time patches for what megatron-core and mbridge hard-wire to CUDA.
 
-Installed by :func:`verl_sat.cpu.platform.register` only when the CPU platform is selected
+Installed by :func:`verl_sat.cpu.register` only when the CPU platform is selected
 (``VERL_PLATFORM=cpu``), in every process that imports verl (Ray workers included), as
 post-import hooks on the modules they patch: nothing in site-packages is edited and nothing is
 imported early. Written for exactly the versions in :data:`SUPPORTED` (the ``megatron-cpu``
@@ -29,7 +29,11 @@ from typing import Any
 
 import torch
 
+from verl_sat.cpu.platform import CPUDeviceModule
+from verl_sat.hooks import when_imported, wrap_once
+
 SUPPORTED = {"megatron-core": "0.16.1", "mbridge": "0.15.1"}
+MARKER = "_verl_sat_cpu"  # set on each function a patch wraps, so that it is wrapped once
 
 # verl's ``actor.megatron.override_transformer_config`` for CPU: what megatron would otherwise take
 # from TransformerEngine / apex / CUDA kernels. Local (non-TE) layers are chosen by
@@ -123,8 +127,9 @@ class _NoStream:
         return None
 
 
-class _CPUCuda:
-    """``torch.cuda`` as the patched megatron modules see it: the host's RNG and no streams."""
+class _CPUCuda(CPUDeviceModule):
+    """``torch.cuda`` as the patched megatron modules see it: the CPU platform's device module (the
+    host's RNG, no memory to manage), no streams, and ``torch.cuda`` for anything else."""
 
     Stream = _NoStream
     Event = _NoEvent
@@ -141,32 +146,12 @@ class _CPUCuda:
         return "cpu"
 
     @staticmethod
-    def device_count() -> int:
-        return 1
-
-    @staticmethod
-    def get_rng_state(device: Any = None) -> torch.Tensor:
-        return torch.get_rng_state()
-
-    @staticmethod
-    def set_rng_state(state: torch.Tensor, device: Any = None) -> None:
-        torch.set_rng_state(state)
-
-    @staticmethod
-    def manual_seed(seed: int) -> None:
-        torch.manual_seed(seed)
-
-    @staticmethod
     def current_stream(device: Any = None) -> _NoStream:
         return _NoStream()
 
     @staticmethod
     def stream(stream: Any = None) -> contextlib.AbstractContextManager:
         return contextlib.nullcontext()
-
-    @staticmethod
-    def synchronize(device: Any = None) -> None:
-        return None
 
     @staticmethod
     def nvtx_range_push(msg: str) -> None:
@@ -278,37 +263,24 @@ def patch_moe_utils(module: ModuleType) -> None:
 def patch_token_dispatcher(module: ModuleType) -> None:
     """The all-to-all dispatcher: no CUDA stream; split sizes as lists (gloo's all_to_all_single)."""
     scope_torch(module)
-    cls = module.MoEAlltoAllTokenDispatcher
-    original = cls.token_dispatch
-    if getattr(original, "_verl_sat_cpu", False):
-        return
 
-    @functools.wraps(original)
-    def token_dispatch(self: Any, *args: Any, **kwargs: Any) -> Any:
-        for name in ("input_splits", "output_splits"):
-            value = getattr(self, name, None)
-            if isinstance(value, torch.Tensor):
-                setattr(self, name, value.tolist())
-        return original(self, *args, **kwargs)
+    def make(original: Callable[..., Any]) -> Callable[..., Any]:
+        def token_dispatch(self: Any, *args: Any, **kwargs: Any) -> Any:
+            for name in ("input_splits", "output_splits"):
+                value = getattr(self, name, None)
+                if isinstance(value, torch.Tensor):
+                    setattr(self, name, value.tolist())
+            return original(self, *args, **kwargs)
 
-    token_dispatch._verl_sat_cpu = True  # type: ignore[attr-defined]
-    cls.token_dispatch = token_dispatch
+        return token_dispatch
+
+    wrap_once(module.MoEAlltoAllTokenDispatcher, "token_dispatch", MARKER, make)
 
 
 def patch_module_cuda(module: ModuleType) -> None:
     """mbridge.core.util.get_model: ``model.cuda(...)`` is a no-op while it runs (weights stay on the host)."""
     scope_torch(module)
-    original = module.get_model
-    if getattr(original, "_verl_sat_cpu", False):
-        return
-
-    @functools.wraps(original)
-    def get_model(*args: Any, **kwargs: Any) -> Any:
-        with _module_cuda_is_identity():
-            return original(*args, **kwargs)
-
-    get_model._verl_sat_cpu = True  # type: ignore[attr-defined]
-    module.get_model = get_model
+    wrap_once(module, "get_model", MARKER, lambda original: _module_cuda_is_identity()(original))
 
 
 @contextlib.contextmanager
@@ -341,17 +313,7 @@ def _cuda_type_names() -> Iterator[None]:
 
 def _with_cuda_type_names(owner: Any, name: str) -> None:
     """Run ``owner.<name>`` inside :func:`_cuda_type_names` (once)."""
-    original = getattr(owner, name)
-    if getattr(original, "_verl_sat_cpu", False):
-        return
-
-    @functools.wraps(original)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        with _cuda_type_names():
-            return original(*args, **kwargs)
-
-    wrapper._verl_sat_cpu = True  # type: ignore[attr-defined]
-    setattr(owner, name, wrapper)
+    wrap_once(owner, name, MARKER, lambda original: _cuda_type_names()(original))
 
 
 def patch_optimizer(module: ModuleType) -> None:
@@ -417,45 +379,40 @@ def local_attention_mask(query: torch.Tensor, attention_mask: Any, packed_seq_pa
 def patch_dot_product_attention(module: ModuleType) -> None:
     """megatron's local attention: packed sequences (refused: 'use TEDotProductAttention') and verl's
     [B, S] padding mask (it needs [B, 1, S, S]) become one explicit mask."""
-    cls = module.DotProductAttention
-    original = cls.forward
-    if getattr(original, "_verl_sat_cpu", False):
-        return
 
-    @functools.wraps(original)
-    def forward(
-        self: Any,
-        query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        attention_mask: Any,
-        attn_mask_type: Any = None,
-        attention_bias: Any = None,
-        packed_seq_params: Any = None,
-    ) -> torch.Tensor:
-        packed = packed_seq_params is not None
-        if packed:  # [t, np, hn] -> [t, b=1, np, hn]
-            query, key, value = query.unsqueeze(1), key.unsqueeze(1), value.unsqueeze(1)
-        if packed or (attention_mask is not None and attention_mask.dim() == 2):
-            attention_mask = local_attention_mask(query, attention_mask, packed_seq_params)
-        return original(self, query, key, value, attention_mask, attn_mask_type, attention_bias, None)
+    def make(original: Callable[..., Any]) -> Callable[..., Any]:
+        def forward(
+            self: Any,
+            query: torch.Tensor,
+            key: torch.Tensor,
+            value: torch.Tensor,
+            attention_mask: Any,
+            attn_mask_type: Any = None,
+            attention_bias: Any = None,
+            packed_seq_params: Any = None,
+        ) -> torch.Tensor:
+            packed = packed_seq_params is not None
+            if packed:  # [t, np, hn] -> [t, b=1, np, hn]
+                query, key, value = query.unsqueeze(1), key.unsqueeze(1), value.unsqueeze(1)
+            if packed or (attention_mask is not None and attention_mask.dim() == 2):
+                attention_mask = local_attention_mask(query, attention_mask, packed_seq_params)
+            return original(self, query, key, value, attention_mask, attn_mask_type, attention_bias, None)
 
-    forward._verl_sat_cpu = True  # type: ignore[attr-defined]
-    cls.forward = forward
+        return forward
+
+    wrap_once(module.DotProductAttention, "forward", MARKER, make)
 
 
 def patch_mbridge_local_spec(module: ModuleType) -> None:
     """mbridge.core.llm_bridge: it hard-codes ``use_transformer_engine=True``; build the local layer spec."""
-    original = module.get_gpt_decoder_block_spec
-    if getattr(original, "_verl_sat_cpu", False):
-        return
 
-    @functools.wraps(original)
-    def get_gpt_decoder_block_spec(config: Any, use_transformer_engine: bool = True, **kwargs: Any) -> Any:
-        return original(config, use_transformer_engine=False, **kwargs)
+    def make(original: Callable[..., Any]) -> Callable[..., Any]:
+        def get_gpt_decoder_block_spec(config: Any, use_transformer_engine: bool = True, **kwargs: Any) -> Any:
+            return original(config, use_transformer_engine=False, **kwargs)
 
-    get_gpt_decoder_block_spec._verl_sat_cpu = True  # type: ignore[attr-defined]
-    module.get_gpt_decoder_block_spec = get_gpt_decoder_block_spec
+        return get_gpt_decoder_block_spec
+
+    wrap_once(module, "get_gpt_decoder_block_spec", MARKER, make)
 
 
 _LOCAL_EXPERT = re.compile(r"\.mlp\.experts\.local_experts\.(\d+)\.(linear_fc[12])\.weight$")
@@ -484,21 +441,18 @@ def patch_mbridge_names(module: ModuleType) -> None:
     local names it did not recognise experts and each EP rank exported only its own.
     """
     scope_torch(module)
-    cls = module.Bridge
-    original = cls._weight_name_mapping_mcore_local_to_global
-    if getattr(original, "_verl_sat_cpu", False):
-        return
 
-    @functools.wraps(original)
-    def mapping(self: Any, model: Any, consider_ep: bool = True) -> dict[str, str]:
-        names = original(self, model, consider_ep=consider_ep)
-        offset = 0
-        if consider_ep and self.mpu.ep_size > 1:
-            offset = (self.config.num_moe_experts // self.mpu.ep_size) * self.mpu.ep_rank
-        return {local: te_style_name(name, offset) for local, name in names.items()}
+    def make(original: Callable[..., Any]) -> Callable[..., Any]:
+        def mapping(self: Any, model: Any, consider_ep: bool = True) -> dict[str, str]:
+            names = original(self, model, consider_ep=consider_ep)
+            offset = 0
+            if consider_ep and self.mpu.ep_size > 1:
+                offset = (self.config.num_moe_experts // self.mpu.ep_size) * self.mpu.ep_rank
+            return {local: te_style_name(name, offset) for local, name in names.items()}
 
-    mapping._verl_sat_cpu = True  # type: ignore[attr-defined]
-    cls._weight_name_mapping_mcore_local_to_global = mapping
+        return mapping
+
+    wrap_once(module.Bridge, "_weight_name_mapping_mcore_local_to_global", MARKER, make)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -529,8 +483,6 @@ def checked(patch: Callable[[ModuleType], None]) -> Callable[[ModuleType], None]
 
 def install() -> None:
     """Register every patch as a post-import hook (CPU platform only; see the module doc)."""
-    from verl_sat.hooks import when_imported
-
     when_imported("megatron.core", checked(lambda module: None))
     when_imported("mbridge", checked(lambda module: None))
     for name in TORCH_SCOPED:

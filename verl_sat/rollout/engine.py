@@ -93,11 +93,9 @@ def load_model(path: str, experts_implementation: str = "eager") -> Any:
     """Load an fp32 causal LM from ``path`` with sdpa attention, in eval mode."""
     from transformers import AutoModelForCausalLM
 
-    kwargs: dict[str, Any] = {"attn_implementation": "sdpa", "dtype": torch.float32}
-    try:
-        model = AutoModelForCausalLM.from_pretrained(path, experts_implementation=experts_implementation, **kwargs)
-    except (TypeError, ValueError):
-        model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
+    model = AutoModelForCausalLM.from_pretrained(
+        path, attn_implementation="sdpa", dtype=torch.float32, experts_implementation=experts_implementation
+    )
     return model.eval()
 
 
@@ -242,10 +240,7 @@ def _mark_unfinished(results: list[GenerationResult], reason: str) -> None:
 def _new_cache(model: Any) -> Any:
     from transformers import DynamicCache
 
-    try:
-        return DynamicCache(config=model.config)
-    except TypeError:
-        return DynamicCache()
+    return DynamicCache(config=model.config)
 
 
 def _eos_ids(model: Any, tokenizer: Any) -> set[int]:
