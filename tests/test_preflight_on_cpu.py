@@ -27,7 +27,7 @@ from verl_sat.preflight.facts import GPU, Facts, Finding, ModelFacts
 
 REPO = Path(__file__).resolve().parents[1]
 H200 = 141 * 10**9
-QWEN3_30B_BYTES = 61 * 10**9  # 30.5e9 parameters in bfloat16
+QWEN3_30B_PARAMS = 30_500_000_000  # Qwen3-30B-A3B: 30.5e9 parameters
 # Qwen3-30B-A3B-Base's config.json (max_position_embeddings 32768; tests/fixtures/.../README.md)
 BASE_MODEL_DIR = REPO / "tests/fixtures/qwen3_30b_a3b_base"
 BASE_CONFIG = json.loads((BASE_MODEL_DIR / "config.json").read_text())
@@ -38,7 +38,7 @@ GOOD_SCHEMA = {"data_source": (), "prompt": (), "ability": (), "reward_model": (
 def cell(tmp_path_factory: pytest.TempPathFactory) -> DictConfig:
     """sat_gspo_r3 at lag 8 (R3, separate_async, NCCL), resolved as run.sh launches it."""
     run_dir = tmp_path_factory.mktemp("runs") / "sat_gspo_r3-lag8"
-    return cli.resolve_cell(
+    return cli.resolve(
         "sat_gspo_r3", 8, ["data.train_files=/d/train.parquet", "data.val_files=/d/aime24.parquet"], str(run_dir)
     )
 
@@ -71,7 +71,7 @@ def good_facts(cfg: DictConfig) -> Facts:
         cupy_distributions=("cupy-cuda12x",),
         host_mem_available_bytes=1500 * 10**9,
         disk_free_bytes=10 * 10**12,
-        model=ModelFacts(str(BASE_MODEL_DIR), dict(BASE_CONFIG), QWEN3_30B_BYTES),
+        model=ModelFacts(str(BASE_MODEL_DIR), dict(BASE_CONFIG), QWEN3_30B_PARAMS),
         data_schemas={path: dict(GOOD_SCHEMA) for path in files},
         reward_fn_error=None,
     )
@@ -269,7 +269,7 @@ def test_every_check_has_a_seeded_misconfiguration() -> None:
 # details of the checks
 # ---------------------------------------------------------------------------------------------
 def test_r3_off_needs_no_routed_experts(tmp_path: Path) -> None:
-    cfg = cli.resolve_cell("sat_gspo", 1, run_dir=str(tmp_path))
+    cfg = cli.resolve("sat_gspo", 1, run_dir=str(tmp_path))
     facts = replace(good_facts(cfg), sglang_server_args=frozenset({"model_path"}))
     assert checks.check_routing_replay(cfg, facts) == []
     assert checks.run_checks(cfg, facts) == []
@@ -315,7 +315,7 @@ def test_r3_cells_run_packed_and_r3_off_may_pad(cfg: DictConfig, tmp_path: Path)
     assert checks.check_r3_padding(cfg) == []
     set_key(cfg, "actor_rollout_ref.actor.megatron.use_remove_padding", False)
     assert [f.key for f in checks.check_r3_padding(cfg)] == ["actor_rollout_ref.actor.megatron.use_remove_padding"]
-    plain = cli.resolve_cell("sat_gspo", 1, run_dir=str(tmp_path))
+    plain = cli.resolve("sat_gspo", 1, run_dir=str(tmp_path))
     set_key(plain, "actor_rollout_ref.model.use_remove_padding", False)
     assert checks.check_r3_padding(plain) == []
 
@@ -368,7 +368,7 @@ def test_host_estimate_includes_rollout_buffer_and_routes(cfg: DictConfig) -> No
 
 
 def test_host_check_counts_optimizer_plus_buffer(cfg: DictConfig) -> None:
-    params = QWEN3_30B_BYTES // 2
+    params = QWEN3_30B_PARAMS
     need = estimates.host_optimizer_bytes(cfg, params) + estimates.rollout_buffer_bytes(cfg, BASE_CONFIG)["total"]
     assert failures(cfg, replace(good_facts(cfg), host_mem_available_bytes=need), checks.check_host_memory) == []
     (short,) = failures(cfg, replace(good_facts(cfg), host_mem_available_bytes=need - 1), checks.check_host_memory)
@@ -393,7 +393,7 @@ def test_no_offload_counts_only_the_rollout_buffer(cfg: DictConfig) -> None:
 
 
 def test_disk_estimate_counts_the_kept_snapshots(cfg: DictConfig) -> None:
-    params = QWEN3_30B_BYTES // 2
+    params = QWEN3_30B_PARAMS
     actor = estimates.checkpoint_bytes(cfg, params)
     snapshot = snapshot_bytes(cfg, BASE_CONFIG)
     # what TransferQueue holds at the save: the step's batch (cleared after the save) + the warm-up
@@ -444,7 +444,7 @@ def verl_dataloader_stand_in(cfg: DictConfig, monkeypatch: pytest.MonkeyPatch) -
 
 @pytest.mark.parametrize(("lag", "mode"), [(1, None), (8, None), (1, "sat_sync")], ids=["lag1", "lag8", "sync"])
 def test_the_warm_up_is_verls_own_count(lag: int, mode: str | None, tmp_path: Path, monkeypatch) -> None:
-    cfg = cli.resolve_cell("sat_gspo_r3", lag, run_dir=str(tmp_path))
+    cfg = cli.resolve("sat_gspo_r3", lag, run_dir=str(tmp_path))
     if mode is not None:
         set_key(cfg, "trainer.v1.trainer_mode", mode)
     trainer = verl_dataloader_stand_in(cfg, monkeypatch)
@@ -493,8 +493,8 @@ def test_unset_keep_counts_every_checkpoint(cfg: DictConfig) -> None:
 
 
 def test_unknown_weights_warn_instead_of_passing_silently(cfg: DictConfig) -> None:
-    # config.json present, weights not (as in the fixture directory): context checked, sizes not
-    facts = replace(good_facts(cfg), model=replace(good_facts(cfg).model, weight_bytes=None))
+    # config.json present, but an architecture transformers cannot build: context checked, sizes not
+    facts = replace(good_facts(cfg), model=replace(good_facts(cfg).model, params=None))
     findings = checks.run_checks(cfg, facts)
     assert {f.check for f in findings} == {"host_memory", "disk"}
     assert all(f.level == "warn" for f in findings)
@@ -578,17 +578,37 @@ def test_probe_reward_loads_as_verl_does(tmp_path: Path) -> None:
     assert node_facts.probe_reward(default) is None
 
 
-def test_probe_model_reads_the_base_models_config_dir() -> None:
+def test_probe_model_counts_the_base_models_parameters_from_its_config() -> None:
+    # transformers builds Qwen3-30B-A3B-Base from config.json alone on the meta device: the model
+    # card's 30.5e9 parameters, though no weight file is in the directory
     model = node_facts.probe_model(str(BASE_MODEL_DIR))
-    assert model.config["max_position_embeddings"] == 32768 and model.weight_bytes is None
+    assert model.config["max_position_embeddings"] == 32768
+    assert not list(BASE_MODEL_DIR.glob("*.safetensors")) and abs(model.params - QWEN3_30B_PARAMS) < 0.1e9
+
+
+def test_the_meta_count_is_the_built_models_count(tmp_path: Path) -> None:
+    # a small model of the Base model's architecture: the count on the meta device is the one the
+    # model built in memory has, and it grows with the layers
+    import torch
+    from transformers import AutoModelForCausalLM, Qwen3MoeConfig
+
+    small = {"hidden_size": 64, "intermediate_size": 128, "moe_intermediate_size": 32, "num_experts": 4}
+    small |= {"num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 512}
+    counts = []
+    for layers in (2, 4):
+        config = Qwen3MoeConfig(**small, num_hidden_layers=layers, num_experts_per_tok=2)
+        config.save_pretrained(tmp_path / str(layers))
+        built = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        counts.append(node_facts.count_params(tmp_path / str(layers)))
+        assert counts[-1] == sum(p.numel() for p in built.parameters())
+    assert counts[1] > counts[0]
 
 
 def test_probe_model_reads_a_local_dir_without_downloading(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text(json.dumps({"max_position_embeddings": 4096, "torch_dtype": "bfloat16"}))
-    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": 2000}}))
     model = node_facts.probe_model(str(tmp_path))
-    assert (model.config["max_position_embeddings"], model.weight_bytes) == (4096, 2000)
-    assert checks.param_count(model) == 1000
+    assert model.config["max_position_embeddings"] == 4096
+    assert model.params is None  # no model_type: transformers cannot build it, the sizes warn
     assert node_facts.probe_model("no-such-org/no-such-model-xyz") == ModelFacts()
 
 
@@ -626,10 +646,17 @@ def test_main_leaves_hydras_flags_to_hydra(capsys: pytest.CaptureFixture[str], t
     captured = capsys.readouterr()
     assert "passed: 0 failure(s)" in captured.out
     assert "left to Hydra: --cfg job --resolve --info defaults" in captured.err
-    assert cli.split_hydra_flags(["m", "1", "-c", "hydra", "a=b", "-m"]) == (
-        ["m", "1", "a=b"],
-        ["-c", "hydra", "-m"],
-    )
+    # Hydra's own parser splits them: its flags anywhere among the overrides, in its short forms too
+    parser = cli._parser()
+    args = parser.parse_intermixed_args(["m", "1", "-c", "hydra", "a=b", "-m", "-cn", "x", "--json"])
+    assert args.overrides == ["m", "1", "a=b"] and (args.config_name, args.json) == ("x", True)
+    assert cli.hydra_flags(parser, args) == ["--cfg", "hydra", "--multirun"]
+
+
+def test_main_help_is_the_preflights(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["--help"]) == 0
+    out = capsys.readouterr().out
+    assert "python -m verl_sat.preflight" in out and "--run-dir" in out and "--address" in out
 
 
 def test_done_when_the_preflight_on_the_base_models_config_dir(
@@ -645,8 +672,8 @@ def test_done_when_the_preflight_on_the_base_models_config_dir(
     report = json.loads(capsys.readouterr().out)
     assert not [f for f in report["findings"] if f["check"] == "context_length"], report["findings"]
     assert report["facts"]["model"]["config"]["max_position_embeddings"] == 32768
-    # no weights in the directory: the size-based estimates warn, nothing fails
-    assert {(f["check"], f["level"]) for f in report["findings"]} == {("host_memory", "warn"), ("disk", "warn")}
+    # no weights in the directory: the parameters are counted from config.json, nothing is left unestimated
+    assert report["findings"] == [] and abs(report["facts"]["model"]["params"] - QWEN3_30B_PARAMS) < 0.1e9
 
 
 def test_main_checks_the_cluster_the_launch_joins(tmp_path: Path, monkeypatch) -> None:

@@ -46,16 +46,7 @@ from verl_sat.preflight.facts import (
     VERL_VERSION,
     Facts,
     Finding,
-    ModelFacts,
 )
-
-
-def param_count(model: ModelFacts) -> int | None:
-    """Parameters of the model: checkpoint bytes / bytes of its ``torch_dtype`` (None: unknown)."""
-    if model.weight_bytes is None:
-        return None
-    config = model.config or {}
-    return model.weight_bytes // dtype_bytes(config.get("torch_dtype") or config.get("dtype"))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -165,7 +156,7 @@ def check_gpu_memory(cfg: DictConfig, facts: Facts) -> list[Finding]:
                 f"stop the processes holding them or lower {ROLLOUT}.gpu_memory_utilization",
             )
         )
-    params = param_count(facts.model)
+    params = facts.model.params
     if params is None:
         return out
     smallest = min(g.total_bytes for g in facts.gpus)
@@ -542,7 +533,7 @@ def unknown_size(check: str) -> Finding:
     return Finding(
         check,
         "actor_rollout_ref.model.path",
-        "not estimated: the model's weights are not on this node (no model.safetensors.index.json or *.safetensors)",
+        "not estimated: the model's parameters are unknown (transformers cannot build it from the local config.json)",
         level="warn",
     )
 
@@ -552,7 +543,7 @@ def check_host_memory(cfg: DictConfig, facts: Facts) -> list[Finding]:
     rollout buffer at its largest, R3's routes included (``rollout_buffer_bytes``)."""
     if facts.host_mem_available_bytes is None:
         return []
-    params = param_count(facts.model)
+    params = facts.model.params
     fraction = optimizer_offload_fraction(cfg)
     buffer = rollout_buffer_bytes(cfg, facts.model.config)
     out = []
@@ -600,7 +591,7 @@ def check_disk(cfg: DictConfig, facts: Facts) -> list[Finding]:
     """Free disk at ``trainer.default_local_dir`` >= kept checkpoints × (``checkpoint_bytes`` + the
     TransferQueue snapshot verl saves with each in the async modes, ``snapshot_bytes``); verl-sat
     prunes a snapshot with its actor checkpoint, so as many are kept (``trainer.faults.prune_snapshots``)."""
-    params = param_count(facts.model)
+    params = facts.model.params
     kept = kept_checkpoints(cfg)
     if facts.disk_free_bytes is None or kept == 0:
         return []

@@ -9,8 +9,8 @@ Without a cluster, on this node: every check of ``CHECKS``. On a Ray cluster sta
 (``--address``, ``ray_kwargs.ray_init.address`` or ``RAY_ADDRESS``): ``gather`` runs as a Ray task
 pinned to each node, then ``run_cluster_checks`` (each node's memory and disk, the same versions on
 every node, GPU slots, verl's pools on the nodes, the paths every node must see). One line per
-finding and a verdict; the exit code is 1 when any check fails. Hydra's own flags among the
-overrides (``--cfg job``, ...) are left to Hydra with a note.
+finding and a verdict; the exit code is 1 when any check fails. The arguments are read by Hydra's
+own parser, as the launch reads them; Hydra's flags (``--cfg job``, ...) are left to Hydra with a note.
 """
 
 from __future__ import annotations
@@ -29,15 +29,9 @@ from verl_sat.preflight.cluster import Node, alive_nodes, cluster_address, on_ea
 from verl_sat.preflight.estimates import get
 from verl_sat.preflight.facts import ROUTED_EXPERTS_ARG, Facts, Finding, gather
 
-# Hydra's own command-line flags (hydra/_internal/utils.py's get_args_parser) that take a value;
-# the others (--resolve, --multirun, --run, --hydra-help, --version, --info [WHAT]) take none or an
-# optional one. The preflight checks the run those overrides compose to; Hydra's flags are Hydra's.
-HYDRA_FLAGS_WITH_VALUE = frozenset(
-    {"--cfg", "-c", "--package", "-p", "--config-path", "-cp", "-cn", "--config-dir", "-cd"}
-)
-HYDRA_INFO_VALUES = frozenset({"all", "config", "defaults", "defaults-tree", "plugins", "searchpath"})
-OWN_FLAGS = frozenset({"--json", "-h", "--help"})
-OWN_FLAGS_WITH_VALUE = frozenset({"--run-dir", "--address", "--config-name"})
+# The arguments that are the preflight's own; every other flag Hydra's parser knows (``--cfg job``,
+# ``--resolve``, ``--info``, ...) changes what Hydra prints, not the run, and is left to Hydra.
+OWN_DESTS = frozenset({"overrides", "help", "config_name", "run_dir", "json", "address"})
 
 
 # ---------------------------------------------------------------------------------------------
@@ -75,11 +69,6 @@ def resolve(
     return cfg
 
 
-def resolve_cell(method: str, lag: int, overrides: Sequence[str] = (), run_dir: str | None = None) -> DictConfig:
-    """A cell of the paper's grid, as ``recipes/sat_paper/run.sh`` launches it (``resolve``)."""
-    return resolve(method, lag, overrides, run_dir)
-
-
 def shared_dirs(cfg: DictConfig) -> dict[str, Path]:
     """The run and checkpoint directories every node must share (key -> directory, each once)."""
     dirs: dict[str, Path] = {}
@@ -111,54 +100,42 @@ def verdict(findings: Sequence[Finding], over: str, prefix: str = "[preflight]")
 # ---------------------------------------------------------------------------------------------
 # command line
 # ---------------------------------------------------------------------------------------------
-def split_hydra_flags(argv: Sequence[str]) -> tuple[list[str], list[str]]:
-    """Split a launch's arguments into the preflight's own (positionals, ``key=value`` overrides,
-    its flags) and Hydra's flags (``--cfg job``, ``--info``, ``--resolve``, ...).
-
-    >>> split_hydra_flags(["sat_gspo_r3", "8", "--cfg", "job", "a.b=1", "--resolve"])
-    (['sat_gspo_r3', '8', 'a.b=1'], ['--cfg', 'job', '--resolve'])
-    """
-    own: list[str] = []
-    hydra: list[str] = []
-    args = list(argv)
-    i = 0
-    while i < len(args):
-        arg = args[i]
-        name = arg.split("=", 1)[0]
-        takes_value = "=" not in arg and i + 1 < len(args)
-        if not arg.startswith("-") or name in OWN_FLAGS:
-            own.append(arg)
-        elif name in OWN_FLAGS_WITH_VALUE:
-            own += [arg, args[i + 1]] if takes_value else [arg]
-            i += 1 if takes_value else 0
-        elif name in HYDRA_FLAGS_WITH_VALUE and takes_value:
-            hydra += [arg, args[i + 1]]
-            i += 1
-        elif name in ("--info", "-i") and takes_value and args[i + 1] in HYDRA_INFO_VALUES:
-            hydra += [arg, args[i + 1]]
-            i += 1
-        else:
-            hydra.append(arg)
-        i += 1
-    return own, hydra
-
-
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="python -m verl_sat.preflight",
-        description="Check a run against this node, or every node of a Ray cluster, before launching it "
-        "(docs/reproduce.md, docs/cluster.md).",
+    """Hydra's own command-line parser (``hydra.main`` parses the launch's arguments with it, so the
+    preflight reads them as the launch does), with the preflight's flags added."""
+    from hydra._internal.utils import get_args_parser
+
+    parser = get_args_parser()
+    parser.prog = "python -m verl_sat.preflight"
+    parser.description = (
+        "Check a run against this node, or every node of a Ray cluster, before launching it "
+        "(docs/reproduce.md, docs/cluster.md); --config-name: the config without <method> <lag>."
     )
-    parser.add_argument(
-        "args", nargs="*", help="[<method> <lag>] (python -m verl_sat.paper.grid --list), then key=value"
-    )
+    for action in parser._actions:
+        if action.dest == "overrides":
+            action.help = "[<method> <lag>] (python -m verl_sat.paper.grid --list), then key=value"
+        elif action.dest == "shell_completion":
+            action.help = argparse.SUPPRESS  # Hydra's, and its text is built lazily for Hydra's own help
     parser.add_argument("--run-dir", default=None, help="the run directory (sat.run_dir), as run.sh sets it")
     parser.add_argument("--json", action="store_true", help="print findings and facts as JSON")
-    parser.add_argument("--config-name", default="sat_gspo_cpu", help="the config without <method> <lag>")
     parser.add_argument(
         "--address", default=None, help="a Ray cluster (default: ray_kwargs.ray_init.address, else RAY_ADDRESS)"
     )
     return parser
+
+
+def hydra_flags(parser: argparse.ArgumentParser, args: argparse.Namespace) -> list[str]:
+    """Hydra's flags among the parsed arguments, as a command line (those not ``OWN_DESTS``).
+
+    >>> hydra_flags(_parser(), _parser().parse_intermixed_args(["m", "1", "-c", "job", "a=b", "-m"]))
+    ['--cfg', 'job', '--multirun']
+    """
+    out: list[str] = []
+    for action in parser._actions:
+        value = getattr(args, action.dest, action.default)
+        if action.dest not in OWN_DESTS and value != action.default:
+            out += [action.option_strings[0]] + ([] if action.nargs == 0 else [str(value)])
+    return out
 
 
 def split_cell(args: Sequence[str]) -> tuple[str | None, int | None, list[str]]:
@@ -168,19 +145,24 @@ def split_cell(args: Sequence[str]) -> tuple[str | None, int | None, list[str]]:
     return None, None, list(args)
 
 
+def report(
+    findings: Sequence[Finding], as_json: bool, facts: dict, lines: Sequence[str], over: str, prefix: str
+) -> bool:
+    """Print the findings and the verdict (or, ``as_json``, them and ``facts``); True when none fails."""
+    ok = not any(f.level == "fail" for f in findings)
+    if as_json:
+        print(json.dumps({"ok": ok, **facts, "findings": [asdict(f) for f in findings]}, indent=1, default=str))
+        return ok
+    for line in [*lines, *(f.line(prefix) for f in findings), verdict(findings, over, prefix)]:
+        print(line)
+    return ok
+
+
 def on_this_node(cfg: DictConfig, as_json: bool, gather_fn: Callable[[DictConfig], Facts]) -> bool:
     """``gather`` here, then every check of ``CHECKS``."""
     facts = gather_fn(cfg)
     findings = run_checks(cfg, facts)
-    ok = not any(f.level == "fail" for f in findings)
-    if as_json:
-        report = {"ok": ok, "findings": [asdict(f) for f in findings], "facts": facts_json(facts)}
-        print(json.dumps(report, indent=1, default=str))
-    else:
-        for finding in findings:
-            print(finding.line())
-        print(verdict(findings, f"{len(CHECKS)} checks"))
-    return ok
+    return report(findings, as_json, {"facts": facts_json(facts)}, [], f"{len(CHECKS)} checks", "[preflight]")
 
 
 def on_the_cluster(cfg: DictConfig, address: str, as_json: bool) -> bool:
@@ -194,30 +176,26 @@ def on_the_cluster(cfg: DictConfig, address: str, as_json: bool) -> bool:
         findings = run_cluster_checks(cfg, facts, paths_on_nodes(cfg, shared_dirs(cfg), nodes))
     finally:
         ray.shutdown()
-    ok = not any(f.level == "fail" for f in findings)
     prefix = "[cluster-preflight]"
-    if as_json:
-        rows = [{"node": n.name, "node_id": n.node_id, **facts_json(facts[n])} for n in nodes]
-        print(json.dumps({"ok": ok, "nodes": rows, "findings": [asdict(f) for f in findings]}, indent=1, default=str))
-        return ok
-    for node in nodes:
-        seen = len(facts[node].gpus)
-        print(f"{prefix} node {node.name}: {node.gpus} GPU slots, {node.cpus} CPUs, {seen} GPUs by NVML")
-    for finding in findings:
-        print(finding.line(prefix))
-    print(verdict(findings, f"{len(nodes)} node(s)", prefix))
-    return ok
+    rows = [{"node": n.name, "node_id": n.node_id, **facts_json(facts[n])} for n in nodes]
+    lines = [
+        f"{prefix} node {n.name}: {n.gpus} GPU slots, {n.cpus} CPUs, {len(facts[n].gpus)} GPUs by NVML" for n in nodes
+    ]
+    return report(findings, as_json, {"nodes": rows}, lines, f"{len(nodes)} node(s)", prefix)
 
 
 def main(argv: Sequence[str] | None = None, gather_fn: Callable[[DictConfig], Facts] = gather) -> int:
     """Resolve the run, gather the facts (here, or on each node of a cluster), check them; 0 when
     nothing fails, 1 otherwise."""
-    own, hydra_flags = split_hydra_flags(sys.argv[1:] if argv is None else argv)
-    args = _parser().parse_intermixed_args(own)
-    if hydra_flags:  # run.sh forwards the launch's arguments, Hydra's flags too
-        print(f"[preflight] left to Hydra: {' '.join(hydra_flags)}", file=sys.stderr)
-    method, lag, overrides = split_cell(args.args)
-    cfg = resolve(method, lag, overrides, args.run_dir, args.config_name)
+    parser = _parser()
+    args = parser.parse_intermixed_args(sys.argv[1:] if argv is None else argv)
+    if args.help:
+        parser.print_help()
+        return 0
+    if left := hydra_flags(parser, args):  # run.sh forwards the launch's arguments, Hydra's flags too
+        print(f"[preflight] left to Hydra: {' '.join(left)}", file=sys.stderr)
+    method, lag, overrides = split_cell(args.overrides)
+    cfg = resolve(method, lag, overrides, args.run_dir, args.config_name or "sat_gspo_cpu")
     address = args.address or cluster_address(cfg)
     ok = on_the_cluster(cfg, address, args.json) if address else on_this_node(cfg, args.json, gather_fn)
     return 0 if ok else 1

@@ -75,8 +75,8 @@ class ModelFacts:
     Args:
         source: the directory ``config.json`` was read from ('' when not found locally).
         config: the parsed ``config.json``, or None.
-        weight_bytes: the checkpoint's size in bytes (``model.safetensors.index.json``'s
-            ``metadata.total_size``, else the sum of ``*.safetensors``), or None.
+        params: the model's parameters, counted by transformers from ``config.json``
+            (``count_params``), or None.
         stop_ids: the token ids generation stops at without a tokenizer (SGLang with
             ``skip_tokenizer_init``): ``eos_token_id`` of ``config.json`` and of
             ``generation_config.json``.
@@ -86,7 +86,7 @@ class ModelFacts:
 
     source: str = ""
     config: dict[str, Any] | None = None
-    weight_bytes: int | None = None
+    params: int | None = None
     stop_ids: tuple[int, ...] = ()
     end_of_turn: tuple[str, int] | None = None
 
@@ -355,26 +355,31 @@ def local_model_dir(path: str) -> Path | None:
     return Path(found).parent if isinstance(found, str) else None
 
 
+def count_params(directory: Path) -> int | None:
+    """Parameters of the model ``config.json`` describes, counted by transformers on the meta device
+    (``AutoModelForCausalLM.from_config``: no memory, no weights on the node needed); None when
+    transformers cannot build that architecture."""
+    try:
+        import torch
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        config = AutoConfig.from_pretrained(str(directory), local_files_only=True)
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config)
+    except Exception:  # noqa: BLE001 (an unknown model type or a config it rejects: not estimated)
+        return None
+    return sum(p.numel() for p in model.parameters())
+
+
 def probe_model(path: str) -> ModelFacts:
     directory = local_model_dir(path)
     if directory is None or not (directory / "config.json").is_file():
         return ModelFacts()
     config = json.loads((directory / "config.json").read_text())
-    index = directory / "model.safetensors.index.json"
-    weight_bytes = None
-    if index.is_file():
-        weight_bytes = json.loads(index.read_text()).get("metadata", {}).get("total_size")
-    if weight_bytes is None:
-        shards = list(directory.glob("*.safetensors"))
-        weight_bytes = sum(s.stat().st_size for s in shards) if shards else None
     generation = directory / "generation_config.json"
     stop_ids = eos_ids(config) + (eos_ids(json.loads(generation.read_text())) if generation.is_file() else ())
     return ModelFacts(
-        str(directory),
-        config,
-        None if weight_bytes is None else int(weight_bytes),
-        tuple(sorted(set(stop_ids))),
-        end_of_turn(directory),
+        str(directory), config, count_params(directory), tuple(sorted(set(stop_ids))), end_of_turn(directory)
     )
 
 
