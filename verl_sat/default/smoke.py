@@ -48,7 +48,7 @@ def padded_vocab(n: int, multiple: int = VOCAB_MULTIPLE) -> int:
 def build(out_dir: str | Path, seed: int = 0) -> dict[str, str]:
     """Write ``out_dir/model`` (config, bf16 safetensors, tokenizer) and ``out_dir/data/{train,val}.parquet``."""
     import torch
-    from transformers import GenerationConfig, Qwen3MoeConfig, Qwen3MoeForCausalLM
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     from verl_sat.default import data as task
     from verl_sat.default import model as tiny
@@ -64,12 +64,7 @@ def build(out_dir: str | Path, seed: int = 0) -> dict[str, str]:
         **SMOKE_MODEL_KWARGS,
     )
     torch.manual_seed(seed)
-    model = Qwen3MoeForCausalLM(config).to(torch.bfloat16)
-    model.generation_config = GenerationConfig(
-        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, do_sample=True
-    )
-    model.save_pretrained(out / "model")
-    tokenizer.save_pretrained(out / "model")
+    tiny.save(Qwen3MoeForCausalLM(config).to(torch.bfloat16), tokenizer, out / "model")  # its generation config too
     train, val = task.write_parquet(out / "data", n_train=512, n_val=16, seed=seed)
     return {"model": str(out / "model"), "train": str(train), "val": str(val)}
 
