@@ -64,10 +64,14 @@ def good_facts(cfg: DictConfig) -> Facts:
             "transformers": "5.9.0",
             "torch": "2.11.0",
         },
-        extra_pins={"sglang": {"sglang": "0.5.12"}, "megatron": {"megatron-bridge": "0.5.2"}},
+        extra_pins={
+            "verl-sat": {"verl": "0.9.1"},
+            "sglang": {"sglang": "0.5.12"},
+            "megatron": {"megatron-bridge": "0.5.2"},
+        },
         import_errors={module: None for module in node_facts.PROBED_MODULES},
-        sglang_server_args=frozenset({"model_path", "mem_fraction_static", node_facts.ROUTED_EXPERTS_ARG}),
-        checkpoint_engines=frozenset({"naive", "nccl"}),
+        sglang_routed_experts=True,
+        checkpoint_engines=("naive", "nccl"),
         cupy_distributions=("cupy-cuda12x",),
         host_mem_available_bytes=1500 * 10**9,
         disk_free_bytes=10 * 10**12,
@@ -136,13 +140,13 @@ def seed_wrong_sglang(cfg, facts):
 
 
 def seed_sglang_without_routed_experts(cfg, facts):
-    return cfg, replace(facts, sglang_server_args=frozenset({"model_path"}))
+    return cfg, replace(facts, sglang_routed_experts=False)
 
 
 def seed_no_nccl_engine(cfg, facts):
     return cfg, replace(
         facts,
-        checkpoint_engines=frozenset({"naive"}),
+        checkpoint_engines=("naive",),
         checkpoint_engine_errors={"nccl_checkpoint_engine": "ModuleNotFoundError: No module named 'cupy'"},
     )
 
@@ -270,7 +274,7 @@ def test_every_check_has_a_seeded_misconfiguration() -> None:
 # ---------------------------------------------------------------------------------------------
 def test_r3_off_needs_no_routed_experts(tmp_path: Path) -> None:
     cfg = cli.resolve("sat_gspo", 1, run_dir=str(tmp_path))
-    facts = replace(good_facts(cfg), sglang_server_args=frozenset({"model_path"}))
+    facts = replace(good_facts(cfg), sglang_routed_experts=False)
     assert checks.check_routing_replay(cfg, facts) == []
     assert checks.run_checks(cfg, facts) == []
 
@@ -503,12 +507,6 @@ def test_unknown_weights_warn_instead_of_passing_silently(cfg: DictConfig) -> No
 # ---------------------------------------------------------------------------------------------
 # the probe's pieces that need no GPU
 # ---------------------------------------------------------------------------------------------
-def test_pins_are_the_ones_installed_verl_declares() -> None:
-    _, pins, _ = node_facts.probe_packages()  # verl's own METADATA, its extras' == pins
-    assert pins["sglang"]["sglang"] == node_facts.SGLANG_FOR_VERL
-    assert pins["megatron"]["megatron-bridge"] == node_facts.MEGATRON_BRIDGE_FOR_VERL
-
-
 def install_metadata(site: Path, name: str, version: str, requires: list[str]) -> None:
     """A distribution's metadata only (a dist-info directory), as pip leaves it."""
     info = site / f"{name.replace('-', '_')}-{version}.dist-info"
@@ -547,6 +545,25 @@ def test_unmet_requirements_are_read_as_pip_check_reads_them(cfg: DictConfig, tm
     facts = replace(good_facts(cfg), versions={**good_facts(cfg).versions, **versions}, requirement_conflicts=conflicts)
     found = failures(cfg, facts, checks.check_megatron)
     assert [f.key for f in found] == ["megatron-bridge"] and f"({transformers} installed)" in found[0].message
+
+
+def test_pins_are_read_from_the_installed_metadata(cfg: DictConfig, tmp_path: Path, monkeypatch) -> None:
+    """The verl verl-sat requires and the sglang verl's sglang extra pins come from the installed
+    METADATA: another verl's metadata first on the path moves the pin the check names."""
+    from importlib import metadata
+
+    _, pins, _ = node_facts.probe_packages()
+    assert pins["verl-sat"]["verl"] == metadata.version("verl")  # this environment installs what verl-sat requires
+    install_metadata(
+        tmp_path, "verl", "0.9.2", ['sglang==0.6.1; extra == "sglang"', 'megatron-bridge==0.6.0; extra == "megatron"']
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    versions, pins, _ = node_facts.probe_packages()
+    assert (pins["sglang"]["sglang"], pins["megatron"]["megatron-bridge"]) == ("0.6.1", "0.6.0")
+    facts = replace(good_facts(cfg), versions={**good_facts(cfg).versions, "verl": versions["verl"]}, extra_pins=pins)
+    found = {f.key: f.message for f in failures(cfg, facts, checks.check_versions)}
+    assert set(found) == {"verl", "sglang"}
+    assert f"verl=={pins['verl-sat']['verl']}" in found["verl"] and "sglang==0.6.1" in found["sglang"]
 
 
 def test_probe_data_reads_columns_from_the_schema(tmp_path: Path) -> None:
@@ -637,7 +654,7 @@ def test_main_exit_code_summary_and_json(capsys: pytest.CaptureFixture[str], tmp
     assert cli.main([*bad, "--json"], gather_fn=good_facts) == 1
     report = json.loads(capsys.readouterr().out)
     assert report["ok"] is False and report["findings"][0]["check"] == "parallel_layout"
-    assert report["facts"]["sglang_server_args"] is True
+    assert report["facts"]["sglang_routed_experts"] is True
 
 
 def test_main_leaves_hydras_flags_to_hydra(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
@@ -865,7 +882,7 @@ def test_sglang_yamls_weight_sync_backend_is_the_name_verls_nccl_engine_register
     sglang = OmegaConf.load(REPO / "hydra_configs/rollout/sglang.yaml")
     assert sglang.actor_rollout_ref.rollout.checkpoint_engine.backend == "nccl" and "nccl" in engines
     assert cfg.actor_rollout_ref.rollout.checkpoint_engine.backend == "nccl"
-    facts = replace(good_facts(cfg), checkpoint_engines=frozenset(engines), checkpoint_engine_errors=errors)
+    facts = replace(good_facts(cfg), checkpoint_engines=engines, checkpoint_engine_errors=errors)
     assert checks.check_checkpoint_engine(cfg, facts) == []
 
 

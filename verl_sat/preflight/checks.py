@@ -38,12 +38,9 @@ from verl_sat.preflight.estimates import (
 )
 from verl_sat.preflight.facts import (
     BRIDGES,
-    MEGATRON_BRIDGE_FOR_VERL,
     MEGATRON_BRIDGE_PYTHON,
     ROUTED_EXPERTS_ARG,
-    SGLANG_FOR_VERL,
     STACK,
-    VERL_VERSION,
     Facts,
     Finding,
 )
@@ -190,31 +187,36 @@ def check_gpu_memory(cfg: DictConfig, facts: Facts) -> list[Finding]:
     return out
 
 
+def sglang_fix(facts: Facts) -> str:
+    """How to install the sglang verl's ``sglang`` extra pins (its metadata names the version)."""
+    pin = facts.pin("sglang", "sglang")
+    return f"install sglang=={pin}" if pin else "install verl, then the sglang its sglang extra pins"
+
+
 def check_versions(cfg: DictConfig, facts: Facts) -> list[Finding]:
-    """verl == 0.9.1; with SGLang rollout, the sglang that verl's ``sglang`` extra pins."""
+    """verl at the version verl-sat requires; with SGLang rollout, the sglang verl's ``sglang`` extra
+    pins (both read from the installed metadata, ``PINNED_BY``)."""
     out = []
-    verl = facts.versions.get("verl")
-    if verl != VERL_VERSION:
+    verl, want = facts.versions.get("verl"), facts.pin("verl-sat", "verl")
+    if verl is None or (want and verl != want):
         out.append(
             Finding(
                 "versions",
                 "verl",
-                f"verl {verl or 'not installed'}; verl-sat needs verl=={VERL_VERSION}: "
-                f"pip install 'verl[sglang,megatron]=={VERL_VERSION}'",
+                f"verl {verl or 'not installed'}; verl-sat requires verl=={want or '(pyproject.toml)'}: "
+                f"pip install 'verl[sglang,megatron]=={want or '...'}'",
             )
         )
-    if str(get(cfg, f"{ROLLOUT}.name", "")) == "sglang":
-        want = facts.pin("sglang", "sglang", SGLANG_FOR_VERL)
-        have = facts.versions.get("sglang")
-        if have != want:
-            out.append(
-                Finding(
-                    "versions",
-                    "sglang",
-                    f"sglang {have or 'not installed'}; {ROLLOUT}.name=sglang and verl {VERL_VERSION}'s sglang extra "
-                    f"pins sglang=={want}: pip install 'sglang=={want}'",
-                )
+    want = facts.pin("sglang", "sglang")
+    if str(get(cfg, f"{ROLLOUT}.name", "")) == "sglang" and want and facts.versions.get("sglang") != want:
+        out.append(
+            Finding(
+                "versions",
+                "sglang",
+                f"sglang {facts.versions.get('sglang') or 'not installed'}; {ROLLOUT}.name=sglang and verl {verl}'s "
+                f"sglang extra pins sglang=={want}: pip install 'sglang=={want}'",
             )
+        )
     return out
 
 
@@ -246,23 +248,23 @@ def check_routing_replay(cfg: DictConfig, facts: Facts) -> list[Finding]:
     padding = check_r3_padding(cfg)
     if not uses_r3(cfg) or str(get(cfg, f"{ROLLOUT}.name", "")) != "sglang":
         return padding
-    if facts.sglang_server_args is None:
+    if facts.sglang_routed_experts is None:
         error = facts.import_errors.get("sglang.srt.server_args") or "not importable"
         return padding + [
             Finding(
                 "routing_replay",
                 f"{ROLLOUT}.enable_rollout_routing_replay",
-                f"R3 needs SGLang's ServerArgs, but sglang.srt.server_args does not import ({error}); install "
-                f"sglang=={facts.pin('sglang', 'sglang', SGLANG_FOR_VERL)} or turn R3 off (stabilizer=none)",
+                f"R3 needs SGLang's ServerArgs, but sglang.srt.server_args does not import ({error}); "
+                f"{sglang_fix(facts)} or turn R3 off (stabilizer=none)",
             )
         ]
-    if ROUTED_EXPERTS_ARG not in facts.sglang_server_args:
+    if not facts.sglang_routed_experts:
         return padding + [
             Finding(
                 "routing_replay",
                 f"{ROLLOUT}.enable_rollout_routing_replay",
                 f"R3 is on but this SGLang's ServerArgs has no '{ROUTED_EXPERTS_ARG}' (the server cannot return "
-                f"routed experts); install sglang=={facts.pin('sglang', 'sglang', SGLANG_FOR_VERL)} or turn R3 off",
+                f"routed experts); {sglang_fix(facts)} or turn R3 off",
             )
         ]
     return padding + check_routes_format(facts)
@@ -380,14 +382,14 @@ def bridge_findings(cfg: DictConfig, facts: Facts) -> list[Finding]:
                 f"(from {module} import AutoBridge): install {package} ({MEGATRON_INSTALL})",
             )
         )
-    pin = facts.pin("megatron", package, MEGATRON_BRIDGE_FOR_VERL if package == "megatron-bridge" else None)
+    pin = facts.pin("megatron", package)
     have = facts.versions.get(package)
     if pin and have and have != pin:
         out.append(
             Finding(
                 "megatron",
                 package,
-                f"{package} {have}; verl {VERL_VERSION}'s megatron extra pins {package}=={pin}",
+                f"{package} {have}; verl {facts.versions.get('verl')}'s megatron extra pins {package}=={pin}",
                 level="warn",
             )
         )

@@ -27,7 +27,7 @@ from omegaconf import DictConfig, OmegaConf
 from verl_sat.preflight.checks import CHECKS, run_checks, run_cluster_checks
 from verl_sat.preflight.cluster import Node, alive_nodes, cluster_address, on_each_node, paths_on_nodes
 from verl_sat.preflight.estimates import get
-from verl_sat.preflight.facts import ROUTED_EXPERTS_ARG, Facts, Finding, gather
+from verl_sat.preflight.facts import Facts, Finding, gather
 
 # The arguments that are the preflight's own; every other flag Hydra's parser knows (``--cfg job``,
 # ``--resolve``, ``--info``, ...) changes what Hydra prints, not the run, and is left to Hydra.
@@ -82,15 +82,6 @@ def shared_dirs(cfg: DictConfig) -> dict[str, Path]:
 # ---------------------------------------------------------------------------------------------
 # output
 # ---------------------------------------------------------------------------------------------
-def facts_json(facts: Facts) -> dict:
-    out = asdict(facts)
-    for key in ("sglang_server_args", "checkpoint_engines"):
-        out[key] = None if out[key] is None else sorted(out[key])
-    if out["sglang_server_args"] is not None:
-        out["sglang_server_args"] = ROUTED_EXPERTS_ARG in out["sglang_server_args"]
-    return out
-
-
 def verdict(findings: Sequence[Finding], over: str, prefix: str = "[preflight]") -> str:
     fails = sum(f.level == "fail" for f in findings)
     word = "FAILED" if fails else "passed"
@@ -162,7 +153,7 @@ def on_this_node(cfg: DictConfig, as_json: bool, gather_fn: Callable[[DictConfig
     """``gather`` here, then every check of ``CHECKS``."""
     facts = gather_fn(cfg)
     findings = run_checks(cfg, facts)
-    return report(findings, as_json, {"facts": facts_json(facts)}, [], f"{len(CHECKS)} checks", "[preflight]")
+    return report(findings, as_json, {"facts": asdict(facts)}, [], f"{len(CHECKS)} checks", "[preflight]")
 
 
 def on_the_cluster(cfg: DictConfig, address: str, as_json: bool) -> bool:
@@ -177,7 +168,7 @@ def on_the_cluster(cfg: DictConfig, address: str, as_json: bool) -> bool:
     finally:
         ray.shutdown()
     prefix = "[cluster-preflight]"
-    rows = [{"node": n.name, "node_id": n.node_id, **facts_json(facts[n])} for n in nodes]
+    rows = [{"node": n.name, "node_id": n.node_id, **asdict(facts[n])} for n in nodes]
     lines = [
         f"{prefix} node {n.name}: {n.gpus} GPU slots, {n.cpus} CPUs, {len(facts[n].gpus)} GPUs by NVML" for n in nodes
     ]

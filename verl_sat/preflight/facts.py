@@ -22,12 +22,9 @@ from omegaconf import DictConfig
 
 from verl_sat.preflight.estimates import as_list, get
 
-# verl-sat is built on exactly this verl (pyproject.toml pins it).
-VERL_VERSION = "0.9.1"
-# The sglang and Megatron-Bridge that verl 0.9.1's `sglang` / `megatron` extras pin (its METADATA);
-# used when the installed verl's metadata does not say (tests check they agree).
-SGLANG_FOR_VERL = "0.5.12"
-MEGATRON_BRIDGE_FOR_VERL = "0.5.2"
+# The pins are read from the installed metadata, never retyped: the verl verl-sat requires
+# (pyproject.toml), the sglang and Megatron-Bridge verl's `sglang` / `megatron` extras pin.
+PINNED_BY = {"verl-sat": ("verl-sat", ""), "sglang": ("verl", "sglang"), "megatron": ("verl", "megatron")}
 # Megatron-Bridge's Requires-Python (0.4 and later, 0.5.1 and 0.6.0 read from their wheels).
 MEGATRON_BRIDGE_PYTHON = (3, 12)
 # The SGLang server argument R3 needs (verl's async_sglang_server sets it when
@@ -103,13 +100,14 @@ class Facts:
         cuda_runtime: torch's CUDA runtime version (``torch.version.cuda``), None without CUDA.
         python: this interpreter's (major, minor).
         versions: distribution of ``STACK`` -> installed version (None: not installed).
-        extra_pins: extra of the installed verl (``sglang``, ``megatron``) -> distribution -> the
-            version it pins with ``==``.
+        extra_pins: ``verl-sat`` (its own requirements) or an extra of the installed verl
+            (``sglang``, ``megatron``) -> distribution -> the version it pins with ``==``.
         requirement_conflicts: distribution -> its declared requirements on ``STACK`` that the
             installed versions do not meet, one line each (``transformers<5.9.0 (5.9.0 installed)``).
         import_errors: module -> None when it imports, else the error's one-line text.
-        sglang_server_args: the field names of SGLang's ``ServerArgs`` (None: not importable).
-        checkpoint_engines: backends registered in verl's ``CheckpointEngineRegistry``.
+        sglang_routed_experts: whether SGLang's ``ServerArgs`` has ``ROUTED_EXPERTS_ARG`` (None:
+            not importable).
+        checkpoint_engines: backends registered in verl's ``CheckpointEngineRegistry``, sorted.
         checkpoint_engine_errors: verl's recorded import errors of its engine modules.
         cupy_distributions: installed ``cupy*`` distributions (e.g. ``cupy-cuda12x``).
         host_mem_available_bytes, host_mem_total_bytes: ``psutil.virtual_memory()``.
@@ -129,8 +127,8 @@ class Facts:
     extra_pins: dict[str, dict[str, str]] = field(default_factory=dict)
     requirement_conflicts: dict[str, tuple[str, ...]] = field(default_factory=dict)
     import_errors: dict[str, str | None] = field(default_factory=dict)
-    sglang_server_args: frozenset[str] | None = None
-    checkpoint_engines: frozenset[str] = frozenset()
+    sglang_routed_experts: bool | None = None
+    checkpoint_engines: tuple[str, ...] = ()
     checkpoint_engine_errors: dict[str, str] = field(default_factory=dict)
     cupy_distributions: tuple[str, ...] = ()
     host_mem_available_bytes: int | None = None
@@ -140,9 +138,9 @@ class Facts:
     data_schemas: dict[str, dict[str, tuple[str, ...]] | str] = field(default_factory=dict)
     reward_fn_error: str | None = None
 
-    def pin(self, extra: str, name: str, default: str | None = None) -> str | None:
-        """The version verl's ``extra`` pins for ``name`` (``default`` when its metadata does not say)."""
-        return self.extra_pins.get(extra, {}).get(name) or default
+    def pin(self, extra: str, name: str) -> str | None:
+        """The version ``extra`` (``PINNED_BY``) pins for ``name``; None when its metadata does not say."""
+        return self.extra_pins.get(extra, {}).get(name)
 
 
 @dataclass(frozen=True)
@@ -256,16 +254,16 @@ def unmet(reqs: Sequence[Any], installed: dict[str, str | None]) -> tuple[str, .
 
 
 def probe_packages() -> tuple[dict[str, str | None], dict[str, dict[str, str]], dict[str, tuple[str, ...]]]:
-    """Versions of ``STACK``, verl's extras' ``==`` pins, and each installed distribution's unmet
-    requirements on the others."""
+    """Versions of ``STACK``, the ``==`` pins of ``PINNED_BY``, and each installed distribution's
+    unmet requirements on the others."""
     versions = {name: installed_version(name) for name in STACK}
     pins = {
-        extra: {
+        key: {
             str(req.name).lower(): next(iter(req.specifier)).version
-            for req in requirements("verl", extra)
+            for req in requirements(name, extra)
             if len(req.specifier) == 1 and next(iter(req.specifier)).operator == "=="
         }
-        for extra in ("sglang", "megatron")
+        for key, (name, extra) in PINNED_BY.items()
     }
     conflicts = {}
     for name in STACK:
@@ -284,12 +282,12 @@ def cupy_distributions() -> tuple[str, ...]:
 # ---------------------------------------------------------------------------------------------
 # modules and verl's registries
 # ---------------------------------------------------------------------------------------------
-def probe_imports() -> tuple[dict[str, str | None], frozenset[str] | None]:
+def probe_imports() -> tuple[dict[str, str | None], bool | None]:
     import dataclasses
     import importlib
 
     errors: dict[str, str | None] = {}
-    server_args = None
+    routed_experts = None
     for module in PROBED_MODULES:
         try:
             mod = importlib.import_module(module)
@@ -297,19 +295,19 @@ def probe_imports() -> tuple[dict[str, str | None], frozenset[str] | None]:
             if module in BRIDGES and not hasattr(mod, "AutoBridge"):
                 errors[module] = f"ImportError: cannot import name 'AutoBridge' from '{module}'"
             if module == "sglang.srt.server_args":
-                server_args = frozenset(f.name for f in dataclasses.fields(mod.ServerArgs))
+                routed_experts = ROUTED_EXPERTS_ARG in {f.name for f in dataclasses.fields(mod.ServerArgs)}
         except Exception as err:  # noqa: BLE001 (any import failure is a fact to report)
             errors[module] = one_line(err)
-    return errors, server_args
+    return errors, routed_experts
 
 
-def probe_checkpoint_engines() -> tuple[frozenset[str], dict[str, str]]:
+def probe_checkpoint_engines() -> tuple[tuple[str, ...], dict[str, str]]:
     try:
         from verl.checkpoint_engine import CheckpointEngineRegistry
     except Exception as err:  # noqa: BLE001
-        return frozenset(), {"verl.checkpoint_engine": one_line(err)}
+        return (), {"verl.checkpoint_engine": one_line(err)}
     errors = {module: one_line(err) for module, err in CheckpointEngineRegistry._import_errors.items()}
-    return frozenset(CheckpointEngineRegistry._registry), errors
+    return tuple(sorted(CheckpointEngineRegistry._registry)), errors
 
 
 def probe_reward(cfg: DictConfig) -> str | None:
@@ -442,7 +440,7 @@ def gather(cfg: DictConfig) -> Facts:
 
     gpus, cuda_driver, gpu_error = probe_gpus()
     versions, pins, conflicts = probe_packages()
-    imports, server_args = probe_imports()
+    imports, routed_experts = probe_imports()
     engines, engine_errors = probe_checkpoint_engines()
     memory = psutil.virtual_memory()
     data_files = as_list(get(cfg, "data.train_files")) + as_list(get(cfg, "data.val_files"))
@@ -457,7 +455,7 @@ def gather(cfg: DictConfig) -> Facts:
         extra_pins=pins,
         requirement_conflicts=conflicts,
         import_errors=imports,
-        sglang_server_args=server_args,
+        sglang_routed_experts=routed_experts,
         checkpoint_engines=engines,
         checkpoint_engine_errors=engine_errors,
         cupy_distributions=cupy_distributions(),
