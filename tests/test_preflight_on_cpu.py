@@ -452,12 +452,9 @@ def test_the_warm_up_is_verls_own_count(lag: int, mode: str | None, tmp_path: Pa
     if mode is not None:
         set_key(cfg, "trainer.v1.trainer_mode", mode)
     trainer = verl_dataloader_stand_in(cfg, monkeypatch)
-    # the gen_batch_size verl's trainer runs with (1 in the async modes, whatever the config says),
-    # as its dataloader fetches and as its later reads see it (unset: data.train_batch_size)
-    gen = estimates.verl_gen_batch_size(cfg)
-    assert trainer.train_dataloader.batch_size == gen == (1 if mode is None else 256)
-    assert (trainer.config.data.get("gen_batch_size") or trainer.config.data.train_batch_size) == gen
-    # verl's on_train_begin on that trainer issues what the estimate counts
+    # verl's dataloader fetches one prompt at a time in the async modes (the estimate's stand-in
+    # sets that), and on_train_begin on verl's own trainer issues what the estimate counts
+    assert trainer.train_dataloader.batch_size == (1 if mode is None else 256)
     issued: list[int] = []
     trainer._restored_tq_prompt_count = 0
     trainer._add_prompts_to_generate = issued.append

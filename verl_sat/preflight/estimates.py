@@ -134,34 +134,15 @@ def base_mode(cfg: DictConfig) -> str:
     return str(get(cfg, "trainer.v1.trainer_mode", "sync")).removeprefix("sat_")
 
 
-def verl_gen_batch_size(cfg: DictConfig) -> int:
-    """``data.gen_batch_size`` as verl's trainer runs with it (prompts per dataloader fetch).
-
-    verl 0.9.1's ``PPOTrainer._init_dataloader`` (``verl/trainer/ppo/v1/trainer_base.py``) rewrites
-    the key to 1 ("exact refill counts require single-prompt dataloader fetches") when the mode is
-    not ``sync``, ``algorithm.filter_groups.enable`` is set or
-    ``trainer.v1.sampler.sync_refill_failed_groups`` is; otherwise it is the key, or
-    ``data.train_batch_size`` when unset. verl has no function for it outside ``_init_dataloader``
-    (which builds the datasets), so these are the keys it reads, in its order;
-    tests/test_preflight_on_cpu.py runs ``_init_dataloader`` itself on the composed cells to agree.
-    """
-    exact_refill = (
-        base_mode(cfg) != "sync"
-        or bool(get(cfg, "algorithm.filter_groups.enable", False))
-        or bool(get(cfg, "trainer.v1.sampler.sync_refill_failed_groups", False))
-    )
-    if exact_refill:
-        return 1
-    return int(get(cfg, "data.gen_batch_size", 0) or get(cfg, "data.train_batch_size", 0))
-
-
 def warmup_prompts(cfg: DictConfig) -> int:
     """Prompts verl issues ahead of the first global step, counted by verl's own code.
 
     The trainer class verl registers for the mode (``get_trainer_cls``; verl-sat's ``sat_`` classes
     leave ``on_train_begin`` to it) runs its ``on_train_begin`` on a stand-in: the config with
-    ``data.gen_batch_size`` as ``_init_dataloader`` sets it (``verl_gen_batch_size``), nothing
-    restored from a checkpoint (a resume tops the restored groups up to the same number), and
+    ``data.gen_batch_size=1`` in the async modes, as verl's ``_init_dataloader`` forces it there
+    ("exact refill counts require single-prompt dataloader fetches"; ``sync`` issues no warm-up,
+    so its value does not matter), nothing restored from a checkpoint (a resume tops the
+    restored groups up to the same number), and
     ``_add_prompts_to_generate`` counting prompts instead of fetching them. In the async modes
     that is ``_add_async_warmup_batches``: floor(num_warmup_batches × train_batch_size /
     gen_batch_size) × gen_batch_size with gen_batch_size = 1, i.e. 256 prompts at lag 1
@@ -176,8 +157,9 @@ def warmup_prompts(cfg: DictConfig) -> int:
         from verl.trainer.ppo.v1 import trainer_base
 
     config = copy.deepcopy(cfg)
-    with open_dict(config):
-        OmegaConf.update(config, "data.gen_batch_size", verl_gen_batch_size(cfg), force_add=True)
+    if base_mode(cfg) != "sync":
+        with open_dict(config):
+            OmegaConf.update(config, "data.gen_batch_size", 1, force_add=True)
     trainer = object.__new__(trainer_base.get_trainer_cls(base_mode(cfg)))
     issued: list[int] = []
     trainer.config = config
