@@ -89,3 +89,26 @@ def test_without_verl_platform_no_cpu_patch_is_installed():
     assert patched == "[]"
     assert platform == "nvidia True"
     assert "ray_object_store" in engines
+
+
+CPU_NODE_CHECK = """
+import torch.distributed as dist
+import verl
+from verl.utils.device import get_device_name, get_torch_device
+from verl_sat.cpu import platform
+platform.register()  # a second registration (the plugin ran the first) wraps nothing again
+assert not getattr(dist.init_process_group.__wrapped__, "_verl_sat_dedupe", False)
+backend = f"cpu:gloo,{get_device_name()}:gloo"  # what verl's initialize_global_process_group builds
+dist.init_process_group(backend=backend, init_method="tcp://127.0.0.1:0", rank=0, world_size=1)
+print(backend, dist.get_backend(), get_torch_device().device_count(), get_torch_device().synchronize())
+"""
+
+
+def test_with_verl_platform_cpu_verls_duplicated_gloo_backend_initialises_once_wrapped():
+    """``VERL_PLATFORM=cpu``: verl's ``"cpu:gloo,cpu:gloo"`` process-group backend, which torch
+    rejects, initialises a gloo group, and ``init_process_group`` is wrapped once however often
+    the platform registers; the device module answers from torch.cpu."""
+    env = {k: v for k, v in os.environ.items() if k not in CLEARED} | {"VERL_PLATFORM": "cpu"}
+    out = subprocess.run([sys.executable, "-c", CPU_NODE_CHECK], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip().splitlines()[-1] == "cpu:gloo,cpu:gloo cpu:gloo 1 None"
