@@ -10,6 +10,5 @@ the exit code is 1 when any check fails. ``run.sh`` runs it before the launch
 (``SAT_SKIP_PREFLIGHT=1`` skips it).
 
 ``cluster.prepare_cluster`` is the driver's own check before training on a cluster (every path the
-config names, on every node). ``gpu_env`` and ``stages`` are the 1-GPU smoke's environment probe and
-stage runner (recipes/sat_paper/smoke_1gpu.sh runs them by path).
+config names, on every node).
 """
