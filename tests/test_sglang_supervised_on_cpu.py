@@ -23,7 +23,8 @@ from pathlib import Path
 import pytest
 
 import verl_sat
-from verl_sat.trainer.supervisor import EXIT_PROCESS_DIED, PROCESSES_DIR, RUN_DIR_ENV, Supervisor
+from verl_sat.processes import PROCESSES_DIR, RUN_DIR_ENV
+from verl_sat.trainer.supervisor import EXIT_PROCESS_DIED, Supervisor
 
 pytestmark = pytest.mark.gpu_branch
 

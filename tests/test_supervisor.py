@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 
 from verl_sat import processes
-from verl_sat.trainer import supervisor
-from verl_sat.trainer.supervisor import EXIT_PROCESS_DIED, RUN_DIR_ENV, Supervisor
+from verl_sat.processes import RUN_DIR_ENV
+from verl_sat.trainer.supervisor import EXIT_PROCESS_DIED, Supervisor
 
 
 def registered_child(run_dir: Path, monkeypatch: pytest.MonkeyPatch) -> subprocess.Popen:
@@ -24,7 +24,7 @@ def registered_child(run_dir: Path, monkeypatch: pytest.MonkeyPatch) -> subproce
     monkeypatch.setenv(RUN_DIR_ENV, str(run_dir))
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
     monkeypatch.setattr(os, "getpid", lambda: child.pid)
-    supervisor.register("trainer worker", "rank0")
+    processes.register("trainer worker", "rank0")
     monkeypatch.undo()
     return child
 
@@ -130,14 +130,15 @@ def test_vllm_processes_are_told_apart_from_its_helpers(tmp_path, monkeypatch):
 STUCK_DRIVER = """
 import os, subprocess, sys, time
 from pathlib import Path
+from verl_sat import processes
 from verl_sat.trainer import supervisor
 
 run_dir = Path(sys.argv[1])
-os.environ[supervisor.RUN_DIR_ENV] = str(run_dir)
+os.environ[processes.RUN_DIR_ENV] = str(run_dir)
 supervisor.GRACE_S = 1.0
 dead = subprocess.Popen([sys.executable, "-c", "pass"])
 dead.wait()
-supervisor.register("rollout replica", "hf0", pid=dead.pid)
+processes.register("rollout replica", "hf0", pid=dead.pid)
 with supervisor.Supervisor(run_dir, total_steps=10, interval=0.1):
     time.sleep(600)  # a driver stuck where the interrupt cannot reach it (a blocking C call)
 print("the driver outlived the supervisor")
@@ -162,15 +163,16 @@ def test_a_driver_the_interrupt_cannot_reach_is_ended_after_the_grace_period(tmp
 IGNORED_SIGINT_DRIVER = """
 import os, signal, subprocess, sys, time
 from pathlib import Path
+from verl_sat import processes
 from verl_sat.trainer import supervisor
 
 assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN  # as a job started with & inherits it
 run_dir = Path(sys.argv[1])
-os.environ[supervisor.RUN_DIR_ENV] = str(run_dir)
+os.environ[processes.RUN_DIR_ENV] = str(run_dir)
 supervisor.GRACE_S = 300.0
 dead = subprocess.Popen([sys.executable, "-c", "pass"])
 dead.wait()
-supervisor.register("rollout replica", "hf0", pid=dead.pid)
+processes.register("rollout replica", "hf0", pid=dead.pid)
 try:
     with supervisor.Supervisor(run_dir, total_steps=10, interval=0.1):
         try:

@@ -325,7 +325,7 @@ class AsyncSATActor:
         if is_actor:
             check_engine(self.actor.engine, self.config.actor)  # type: ignore[attr-defined]
         install_sat_loss(self)
-        from verl_sat.trainer.supervisor import register
+        from verl_sat.processes import register
 
         register("trainer worker", f"rank{os.environ.get('RANK', 0)}")  # watched by the driver's supervisor
 

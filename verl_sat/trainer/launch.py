@@ -43,11 +43,11 @@ from verl_sat.default.assets import (
 )
 from verl_sat.default.heldout import HeldoutConfig
 from verl_sat.files import METRICS_FILE, RUN_RECORD
+from verl_sat.processes import RUN_DIR_ENV
 from verl_sat.trainer import auto_lag
 from verl_sat.trainer.accounting import prepare_resume
 from verl_sat.trainer.faults import check_writable, latest_checkpoint
 from verl_sat.trainer.recipe import SATRecipeConfig
-from verl_sat.trainer.supervisor import RUN_DIR_ENV
 
 TOKENIZER_PATH_KEY = "actor_rollout_ref.model.tokenizer_path"
 # Keys a run cannot start without (checked whether or not the embedded default fills them).

@@ -36,13 +36,7 @@ from typing import Any, TextIO
 
 import psutil
 
-from verl_sat.processes import (  # noqa: F401  (re-exported: the vLLM entry point, the plugin, the workers)
-    PROCESSES_DIR,
-    RUN_DIR_ENV,
-    register,
-    register_vllm_process,
-    watch_sglang_servers,
-)
+from verl_sat.processes import PROCESSES_DIR
 
 EXIT_PROCESS_DIED = 4
 GRACE_S = 20.0
