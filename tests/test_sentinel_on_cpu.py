@@ -12,6 +12,7 @@ from unittest import mock
 
 import numpy as np
 import pytest
+import transfer_queue
 from hypothesis import given
 from hypothesis import strategies as st
 from omegaconf import OmegaConf
@@ -30,6 +31,7 @@ from verl_sat.trainer.sentinel import (
     select_rollback_step,
 )
 
+REAL_KV_LIST = transfer_queue.kv_list
 REWARD, DBAR, Q = "critic/score/mean", "actor/mismatch_abs_mean", "actor/sat_q"
 GRAD, ENTROPY = "actor/grad_norm", "actor/entropy"
 ON = SentinelConfig(enabled=True)
@@ -407,6 +409,10 @@ def run_fit(
     from verl.trainer.ppo.v1 import trainer_base
 
     monkeypatch.setattr(trainer_base, "tq", StubTQ())
+    # verl-sat's sample accounting lists what is in flight through the module itself: without this
+    # stub, TransferQueue's client would start a whole Ray cluster in this process (and leave it up)
+    if transfer_queue.kv_list is REAL_KV_LIST:  # a test may have put its own in place
+        monkeypatch.setattr(transfer_queue, "kv_list", StubTQ().kv_list)
     monkeypatch.setenv("VERL_FILE_LOGGER_PATH", str(tmp_path / "metrics.jsonl"))
     config = OmegaConf.create(
         {

@@ -59,10 +59,11 @@ def dead_actors() -> set[str] | None:
 
 
 def is_dead(entry: dict[str, Any], dead: set[str] | None) -> bool:
-    """A registered process is gone: its actor is DEAD (any node), or, without Ray's answer or
-    an actor id, its pid on this host is gone or a zombie (psutil)."""
-    if entry.get("actor_id") and dead is not None:
-        return entry["actor_id"] in dead
+    """A registered process is gone: its actor is DEAD (any node), or its pid on this host is gone
+    or a zombie (psutil). Both are asked: the driver can learn of a killed worker (Ray's
+    ``ActorDiedError``) before the GCS lists its actor as DEAD."""
+    if entry.get("actor_id") and dead is not None and entry["actor_id"] in dead:
+        return True
     if entry.get("host") != socket.gethostname():
         return False
     try:
@@ -101,6 +102,7 @@ class Supervisor(threading.Thread):
         super().__init__(daemon=True, name="verl-sat-supervisor")
         self.run_dir, self.total_steps, self.interval, self.out = Path(run_dir), total_steps, interval, out
         self.stopped = threading.Event()
+        self.lock = threading.Lock()  # no interrupt of the driver once __exit__ has stopped the checks
         self.failure: dict[str, Any] | None = None
         self.started_at = time.time()
 
@@ -164,8 +166,11 @@ class Supervisor(threading.Thread):
             failure = self.check()
             if failure is None:
                 continue
-            self.report(failure)
-            _thread.interrupt_main()
+            with self.lock:
+                if self.stopped.is_set():  # the driver is already leaving: __exit__ reports it (exit 4)
+                    return
+                self.report(failure)
+                _thread.interrupt_main()
             if not self.stopped.wait(GRACE_S):
                 os._exit(EXIT_PROCESS_DIED)
             return
@@ -187,8 +192,15 @@ class Supervisor(threading.Thread):
         """The driver often learns of a dead worker first (Ray's ``ActorDiedError`` from the call
         in flight), before the next once-a-second check: an exception is checked against the
         registered processes once more, so the job still exits ``EXIT_PROCESS_DIED``."""
-        self.stop()
-        if self.is_alive():
+        try:
+            with self.lock:
+                self.stop()
+            if self.is_alive():
+                self.join()
+        except KeyboardInterrupt:  # the check's interrupt, issued just before the driver got here
+            if self.failure is None:
+                raise
+            self.stop()
             self.join()
         if self._sigint is not None:
             signal.signal(signal.SIGINT, self._sigint)
