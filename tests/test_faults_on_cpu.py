@@ -17,6 +17,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from verl_sat import files
+from verl_sat.processes import RUN_DIR_ENV
 from verl_sat.trainer import accounting
 from verl_sat.trainer.faults import (
     EXIT_COLLAPSED,
@@ -74,11 +75,14 @@ def metrics_rows(steps: range, attempt: str) -> list[dict]:
     return [{"step": s, "data": {"attempt": attempt}} for s in steps]
 
 
-def verl_logs(path: Path, steps: range, attempt: str) -> None:
-    """An attempt's metrics, written by verl's own FileLogger (it opens the file with "wb")."""
+def verl_logs(path: Path, steps: range, attempt: str, verl_sat_job: bool = True) -> None:
+    """An attempt's metrics, written by verl's own FileLogger (it opens the file with "wb"), in a
+    verl-sat job (its launch sets RUN_DIR_ENV) or in another verl run."""
     from verl.utils.tracking import FileLogger
 
     os.environ["VERL_FILE_LOGGER_PATH"] = str(path)
+    if verl_sat_job:
+        os.environ[RUN_DIR_ENV] = str(path.parent)
     try:
         logger = FileLogger("project", "experiment")
         for step in steps:
@@ -86,6 +90,15 @@ def verl_logs(path: Path, steps: range, attempt: str) -> None:
         logger.finish()
     finally:
         del os.environ["VERL_FILE_LOGGER_PATH"]
+        os.environ.pop(RUN_DIR_ENV, None)
+
+
+def test_another_verl_run_keeps_verls_own_truncation(tmp_path: Path):
+    """The write-back is verl-sat's: a verl run without verl-sat's launch starts its file anew."""
+    metrics = tmp_path / "metrics.jsonl"
+    verl_logs(metrics, range(1, 3), "a1", verl_sat_job=False)
+    verl_logs(metrics, range(1, 3), "a2", verl_sat_job=False)
+    assert [r["data"]["attempt"] for r in files.read_jsonl(metrics)] == ["a2", "a2"]
 
 
 def test_resume_keeps_one_timeline_of_metrics_and_samples(tmp_path: Path):

@@ -35,6 +35,7 @@ from typing import Any
 
 from verl_sat.files import METRICS_FILE, append_jsonl, read_jsonl, write_jsonl
 from verl_sat.hooks import when_imported, wrap_once
+from verl_sat.processes import RUN_DIR_ENV
 
 SAMPLES_FILE = "samples.jsonl"
 SUPERSEDED_SUFFIX = ".superseded.jsonl"
@@ -79,12 +80,15 @@ def prepare_resume(run_dir: Path, step: int) -> dict[str, int]:
 
 def keep_metrics_on_resume(tracking: ModuleType) -> None:
     """verl 0.9.1's ``FileLogger`` opens ``VERL_FILE_LOGGER_PATH`` with ``"wb"``, emptying the
-    rows a resumed run keeps (``prepare_resume``): they are written back once it has opened it."""
+    rows a resumed run keeps (``prepare_resume``): they are written back once it has opened it.
+    Only in a verl-sat job (``RUN_DIR_ENV`` set by its launch): the plugin loads this in every
+    process that imports verl, and another verl run keeps verl's own truncation."""
 
     def make(original: Any) -> Any:
         def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
             path = os.environ.get("VERL_FILE_LOGGER_PATH")
-            kept = Path(path).read_bytes() if path and os.path.isfile(path) else b""
+            ours = path and os.environ.get(RUN_DIR_ENV) and os.path.isfile(path)
+            kept = Path(path).read_bytes() if ours else b""
             original(self, *args, **kwargs)
             self.fp.write(kept)
 
