@@ -1,13 +1,18 @@
-"""verl_sat.data.prepare_math on small local fixtures (nothing is downloaded)."""
+"""recipes/sat_paper/prepare_math.py on small local fixtures (nothing is downloaded)."""
 
 from __future__ import annotations
 
+import runpy
+import sys
 from pathlib import Path
 
 import pandas as pd
 import pytest
 
-from verl_sat.data import prepare_math as pm
+REPO = Path(__file__).resolve().parents[1]
+SCRIPT = REPO / "recipes/sat_paper/prepare_math.py"
+sys.path.insert(0, str(SCRIPT.parent))  # the recipe's scripts, run by path
+import prepare_math as pm  # noqa: E402
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "data"
 DAPO = FIXTURES / "dapo_math_17k_sample.jsonl"
@@ -126,10 +131,17 @@ def test_verl_math_dapo_verifier_scores_our_rows() -> None:
             assert right["acc"] and not wrong["acc"], (source, truth)
 
 
-def test_cli_writes_both_files(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_cli_writes_both_files(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The README's command: the script run by path, as ``python recipes/sat_paper/prepare_math.py``."""
     aime = tmp_path / "aime.jsonl"
     aime.write_text('{"question": "What is $1+1$?", "answer": "002"}\n')
-    assert pm.main(["--out", str(tmp_path / "d"), "--dapo", str(DAPO), "--dolci", str(DOLCI), "--aime", str(aime)]) == 0
+    argv = ["--out", str(tmp_path / "d"), "--dapo", str(DAPO), "--dolci", str(DOLCI), "--aime", str(aime)]
+    monkeypatch.setattr(sys, "argv", [str(SCRIPT), *argv])
+    with pytest.raises(SystemExit) as done:
+        runpy.run_path(str(SCRIPT), run_name="__main__")
+    assert done.value.code == 0
     assert len(pd.read_parquet(tmp_path / "d" / "train.parquet")) == 5
     assert pd.read_parquet(tmp_path / "d" / "aime24.parquet")["reward_model"][0]["ground_truth"] == "2"
     assert "train: 5 prompts" in capsys.readouterr().out

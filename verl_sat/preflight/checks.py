@@ -646,8 +646,8 @@ def check_data(cfg: DictConfig, facts: Facts) -> list[Finding]:
                     Finding(
                         "data",
                         key,
-                        f"{key}: {path}: {schema}; write it with python -m "
-                        "verl_sat.data.prepare_math --out DIR (run.sh: DATA_DIR=DIR)",
+                        f"{key}: {path}: {schema}; write it with python "
+                        "recipes/sat_paper/prepare_math.py --out DIR (run.sh: DATA_DIR=DIR)",
                     )
                 )
                 continue
@@ -661,7 +661,7 @@ def check_data(cfg: DictConfig, facts: Facts) -> list[Finding]:
                         key,
                         f"{key}: {path} lacks column(s) {missing} (has {sorted(schema)}); the "
                         f"recipe reads data.prompt_key={prompt_key}, data.reward_fn_key={source_key} and "
-                        "reward_model.ground_truth: rewrite it with python -m verl_sat.data.prepare_math",
+                        "reward_model.ground_truth: rewrite it with python recipes/sat_paper/prepare_math.py",
                     )
                 )
     return out

@@ -5,8 +5,8 @@ question present in both is kept once). Validation set: AIME 2024 (30 problems).
 re-written in DAPO's style (a last ``Answer:`` line), which verl-sat's verifier
 (``verl_sat.eval.verify``, the paper recipe's reward) reads, as verl's ``math_dapo`` scorer does::
 
-    python -m verl_sat.data.prepare_math --out ~/data/sat_math
-    python -m verl_sat.data.prepare_math --out DIR --dapo dapo.parquet --dolci dolci.jsonl \
+    python recipes/sat_paper/prepare_math.py --out ~/data/sat_math
+    python recipes/sat_paper/prepare_math.py --out DIR --dapo dapo.parquet --dolci dolci.jsonl \
         --aime aime24.jsonl
 
 Each source is a Hugging Face hub id (loaded with ``datasets.load_dataset``, the default) or a
@@ -14,6 +14,8 @@ local ``.parquet`` / ``.jsonl`` / ``.json`` file. Output: ``DIR/train.parquet`` 
 ``DIR/aime24.parquet`` with verl's columns ``data_source``, ``prompt`` (chat messages),
 ``ability``, ``reward_model`` ``{style: rule, ground_truth}`` and ``extra_info``
 ``{index, split, source}``.
+
+Runs by path, as verl's own data preprocessing in ``examples/`` does; it is not installed.
 """
 
 from __future__ import annotations
@@ -302,7 +304,9 @@ def write_parquet(frame: pd.DataFrame, path: Path) -> Path:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Command line: write ``OUT/train.parquet`` and ``OUT/aime24.parquet``."""
-    parser = argparse.ArgumentParser(prog="python -m verl_sat.data.prepare_math", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python recipes/sat_paper/prepare_math.py", description=__doc__.split("\n")[0]
+    )
     parser.add_argument("--out", required=True, type=Path, help="output directory")
     parser.add_argument("--dapo", default=DAPO_HUB_ID, help=f"hub id or local file (default {DAPO_HUB_ID})")
     parser.add_argument("--dolci", default=DOLCI_HUB_ID, help=f"hub id or local file (default {DOLCI_HUB_ID})")
