@@ -1,0 +1,298 @@
+"""The paper's GPU stack as data: every package of the GPU install, the version it pins, and each place
+where the install overrides a package's own pin (docs/reproduce.md, "Install on the GPU node").
+
+One source of truth: ``recipes/sat_paper/install_gpu.sh`` reads the pins from here
+(``python verl_sat/preflight/stack.py --requirements``), and the preflight compares the installed
+packages against them. This module runs as a plain script on a fresh Python (standard library and
+``packaging`` only), before verl-sat's own requirements are installed.
+
+Why each pin (read from the packages' metadata on the index):
+
+- verl 0.9.1's ``sglang`` extra pins sglang 0.5.12, ``transformers==5.9.0`` and torch 2.11.0
+  (torchvision 0.26.0, torchaudio 2.11.0: the CUDA 13 wheels on PyPI); its ``cupy-cu130`` extra pins
+  cupy-cuda13x 14.0.1.
+- SGLang 0.5.12 pins ``flashinfer_python`` / ``flashinfer_cubin`` 0.6.11.post1 and
+  ``sglang-kernel==0.4.2.post2``.
+- verl's own SGLang 0.5.12 image (``docker/Dockerfile.stable.sglang`` in verl's repository) adds
+  Megatron-Bridge from its r0.5.0 branch and Megatron-LM ``core_v0.18.0``, both with ``--no-deps``;
+  verl 0.9.1's ``megatron`` extra pins ``megatron-bridge==0.5.2``, which the index lacks, so the
+  newest 0.5 release there (0.5.1) and megatron-core 0.18.0.
+- TransformerEngine 2.12 (verl's previous SGLang image builds ``release_v2.12``): the CUDA 13 core
+  wheel, and the PyTorch extension, which PyPI ships only as a source distribution built against
+  the installed torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+
+def canonical_name(name: str) -> str:
+    """A distribution name as ``packaging.utils.canonicalize_name`` writes it (PEP 503)."""
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+GPU_STACK: dict[str, str] = {
+    "verl": "0.9.1",
+    "sglang": "0.5.12",
+    "sglang-kernel": "0.4.2.post2",
+    "flashinfer-python": "0.6.11.post1",
+    "flashinfer-cubin": "0.6.11.post1",
+    "transformers": "5.9.0",
+    "torch": "2.11.0",
+    "torchvision": "0.26.0",
+    "torchaudio": "2.11.0",
+    "megatron-bridge": "0.5.1",
+    "megatron-core": "0.18.0",
+    "transformer-engine": "2.12.0",
+    "transformer-engine-cu13": "2.12.0",
+    "transformer-engine-torch": "2.12.0",
+    "cupy-cuda13x": "14.0.1",
+    "ray": "2.60.0",
+}
+"""Each package of the GPU install and the exact version it installs (names as PyPI spells them)."""
+
+EXTRAS: dict[str, tuple[str, ...]] = {
+    "verl": ("verl-core",),
+    "ray": ("default",),
+    "megatron-core": ("dev", "mlm"),
+}
+"""Extras installed with a package: verl's core extra (TransferQueue, uvicorn, ...), Ray's dashboard
+and job agent (verl asks for ``ray[default]``), and the two megatron-core extras Megatron-Bridge
+asks for (``megatron-core[dev,mlm]``)."""
+
+SOURCE_BUILDS: frozenset[str] = frozenset({"transformer-engine-torch"})
+"""Packages PyPI ships only as source, built with ``--no-build-isolation`` against the installed
+torch; the binary-only dry run cannot resolve them (docs/gpu_path.md)."""
+
+SGLANG_OWN_MINIMUMS: dict[str, str] = {"flashinfer-python": "0.6.11.post1", "sglang-kernel": "0.4.2.post2"}
+"""SGLang 0.5.12's own floors (``assert_pkg_version``, a >= check, in ``_set_envs_and_config`` of
+``sglang/srt/entrypoints/engine.py``; flashinfer's only with ``attention_backend=flashinfer``), which
+verl's replacement of that function lowers to flashinfer >= 0.2.5 while forcing that backend."""
+
+SGLANG_FLASHINFER_MIN = SGLANG_OWN_MINIMUMS["flashinfer-python"]
+"""SGLang 0.5.12's own flashinfer floor, which verl's patch skips."""
+
+TARGET_PYTHON = "3.12"
+"""The only Python both verl 0.9.1 (<3.13) and Megatron-Bridge (>=3.12,<3.13) accept."""
+
+TARGET_PLATFORMS: tuple[str, ...] = (
+    "manylinux2014_x86_64",
+    *(f"manylinux_2_{minor}_x86_64" for minor in range(17, 36)),
+)
+"""Every platform tag a current x86_64 GPU node (glibc 2.35) accepts: SGLang 0.5.12's wheels are
+``manylinux_2_34``, Ray's ``manylinux2014``, megatron-core's ``manylinux_2_28``."""
+
+TARGET_ENVIRONMENT: dict[str, str] = {
+    "python_version": TARGET_PYTHON,
+    "python_full_version": f"{TARGET_PYTHON}.0",
+    "implementation_name": "cpython",
+    "platform_python_implementation": "CPython",
+    "sys_platform": "linux",
+    "platform_system": "Linux",
+    "platform_machine": "x86_64",
+    "os_name": "posix",
+}
+"""The markers of that node, to evaluate a no-deps package's requirements for it."""
+
+
+@dataclass(frozen=True)
+class Override:
+    """A requirement of ``dependent`` the install deliberately leaves unmet (``--no-deps``)."""
+
+    dependent: str
+    requirement: str
+    reason: str
+
+    def __post_init__(self) -> None:
+        if canonical_name(self.dependent) not in GPU_STACK:
+            raise ValueError(f"Override.dependent={self.dependent!r} is not a package of GPU_STACK")
+        if not self.reason.strip():
+            raise ValueError(f"Override({self.dependent!r}, {self.requirement!r}) needs a reason")
+
+
+_TRANSFORMERS = (
+    f"verl 0.9.1 requires transformers!=5.6.0,<5.11,>=5.5.3 and its sglang extra pins "
+    f"{GPU_STACK['transformers']}, which the install keeps"
+)
+_FLASHINFER = (
+    f"SGLang 0.5.12 pins {SGLANG_FLASHINFER_MIN} and verl forces attention_backend=flashinfer for SGLang "
+    ">= 0.5.12; Megatron-Bridge 0.5.1's code imports no flashinfer (megatron-core only in "
+    "megatron.core.inference, which verl's training path does not import)"
+)
+OVERRIDES: tuple[Override, ...] = (
+    # verl's own SGLang 0.5.12 image installs Megatron-Bridge and Megatron-LM with --no-deps too.
+    Override("sglang", "transformers==5.6.0", _TRANSFORMERS),
+    Override("megatron-bridge", "transformers<5.9.0,>=5.8.1", _TRANSFORMERS),
+    Override("megatron-bridge", "flashinfer-python==0.6.8.post1", _FLASHINFER),
+    Override("megatron-bridge", "flashinfer-cubin==0.6.8.post1", _FLASHINFER),
+    Override(
+        "megatron-core",
+        'nvidia-resiliency-ext==0.6.0; extra == "dev"',
+        "nvidia-resiliency-ext 0.6.0 ships only manylinux_2_39 wheels (glibc 2.39), which a glibc 2.35 "
+        "node cannot install; Megatron-Bridge's own unpinned requirement takes the newest the node accepts",
+    ),
+)
+"""Each place the install overrides a package's own pin, installing that package with ``--no-deps``."""
+
+
+def _same_requirement(a: str, b: str) -> bool:
+    """Two requirement strings that name the same package, extras, specifiers and marker."""
+    from packaging.requirements import Requirement
+
+    ra, rb = Requirement(a), Requirement(b)
+    return (
+        canonical_name(ra.name) == canonical_name(rb.name)
+        and {canonical_name(e) for e in ra.extras} == {canonical_name(e) for e in rb.extras}
+        and ra.specifier == rb.specifier
+        and str(ra.marker or "") == str(rb.marker or "")
+    )
+
+
+def override_for(dependent: str, requirement: str) -> Override | None:
+    """The named override of ``dependent``'s ``requirement``, or None when the install must meet it."""
+    for override in OVERRIDES:
+        if canonical_name(override.dependent) == canonical_name(dependent) and _same_requirement(
+            override.requirement, requirement
+        ):
+            return override
+    return None
+
+
+def no_deps_packages() -> tuple[str, ...]:
+    """The packages installed with ``--no-deps``: every dependent of an override, in stack order."""
+    dependents = {canonical_name(o.dependent) for o in OVERRIDES}
+    return tuple(name for name in GPU_STACK if name in dependents)
+
+
+def pin(name: str) -> str:
+    """``name[extras]==version`` for a package of the stack."""
+    key = canonical_name(name)
+    if key not in GPU_STACK:
+        raise KeyError(f"{name!r} is not a package of GPU_STACK ({', '.join(GPU_STACK)})")
+    extras = EXTRAS.get(key, ())
+    return f"{key}{'[' + ','.join(extras) + ']' if extras else ''}=={GPU_STACK[key]}"
+
+
+def resolved_pins() -> list[str]:
+    """The pins pip resolves together: the stack without the ``--no-deps`` and source-built packages."""
+    skip = set(no_deps_packages()) | SOURCE_BUILDS
+    return [pin(name) for name in GPU_STACK if name not in skip]
+
+
+def project_requirements(pyproject: Path) -> list[str]:
+    """verl-sat's own requirements (``[project].dependencies``), installed with the stack."""
+    import tomllib
+
+    return list(tomllib.loads(pyproject.read_text())["project"]["dependencies"])
+
+
+def _met_by_pin(dependent: str, requirement: str) -> None:
+    """Check that the pin of a ``--no-deps`` package meets ``dependent``'s requirement on it."""
+    from packaging.requirements import Requirement
+
+    req = Requirement(requirement)
+    name = canonical_name(req.name)
+    missing = {canonical_name(e) for e in req.extras} - set(EXTRAS.get(name, ()))
+    if not req.specifier.contains(GPU_STACK[name], prereleases=True) or missing:
+        raise ValueError(
+            f"{dependent} requires {requirement}, the stack installs {pin(name)}: "
+            "change the pin or name an Override with its reason"
+        )
+
+
+def kept_requirements(report: dict) -> list[str]:
+    """Requirements of the ``--no-deps`` packages in a pip ``--report`` that the install still meets.
+
+    Each package's declared requirements, evaluated for the GPU node's markers and the extras it is
+    installed with, less the named overrides. A requirement on another ``--no-deps`` package is met
+    by that package's pin (checked here, not passed to pip); a version other than the pin is an
+    error naming both.
+    """
+    from packaging.requirements import Requirement
+
+    no_deps = set(no_deps_packages())
+    kept: list[str] = []
+    for item in report["install"]:
+        meta = item["metadata"]
+        name = canonical_name(meta["name"])
+        if name not in no_deps:
+            continue
+        if meta["version"] != GPU_STACK[name]:
+            raise ValueError(f"pip chose {name} {meta['version']}, the stack pins {GPU_STACK[name]}")
+        environments = [{**TARGET_ENVIRONMENT, "extra": extra} for extra in ("", *EXTRAS.get(name, ()))]
+        for line in meta.get("requires_dist", []):
+            req = Requirement(line)
+            if req.marker is not None and not any(req.marker.evaluate(env) for env in environments):
+                continue
+            if override_for(name, line) is not None:
+                continue
+            if canonical_name(req.name) in no_deps:
+                _met_by_pin(name, line)
+                continue
+            req.marker = None
+            kept.append(str(req))
+    return kept
+
+
+def stale_overrides(report: dict) -> list[Override]:
+    """Overrides whose requirement the dependent in a pip ``--report`` no longer declares."""
+    declared: dict[str, list[str]] = {
+        canonical_name(i["metadata"]["name"]): i["metadata"].get("requires_dist", []) for i in report["install"]
+    }
+    return [
+        o
+        for o in OVERRIDES
+        if not any(_same_requirement(o.requirement, line) for line in declared.get(canonical_name(o.dependent), []))
+    ]
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Print one list of requirement lines for ``install_gpu.sh`` (one a line)."""
+    parser = argparse.ArgumentParser(prog="stack.py", description=__doc__.splitlines()[0])
+    group = parser.add_mutually_exclusive_group(required=True)
+    group.add_argument("--requirements", action="store_true", help="the pins pip resolves together")
+    group.add_argument("--no-deps", action="store_true", help="the pins installed with --no-deps")
+    group.add_argument("--source-builds", action="store_true", help="the pins built from source")
+    group.add_argument("--project", type=Path, metavar="PYPROJECT", help="verl-sat's own requirements")
+    group.add_argument("--kept", type=Path, metavar="REPORT", help="the --no-deps packages' kept requirements")
+    group.add_argument("--overrides", action="store_true", help="the overrides, one a line, with reasons")
+    group.add_argument("--platforms", action="store_true", help="pip's --platform tags for the GPU node")
+    group.add_argument("--python-version", action="store_true", help="the GPU node's Python")
+    group.add_argument("--flashinfer-min", action="store_true", help="SGLang's own flashinfer floor")
+    args = parser.parse_args(argv)
+    if args.requirements:
+        lines = resolved_pins()
+    elif args.no_deps:
+        lines = [pin(name) for name in no_deps_packages()]
+    elif args.source_builds:
+        lines = [pin(name) for name in GPU_STACK if name in SOURCE_BUILDS]
+    elif args.project:
+        lines = project_requirements(args.project)
+    elif args.kept:
+        report = json.loads(args.kept.read_text())
+        stale = stale_overrides(report)
+        if stale:
+            named = "; ".join(f"{o.dependent}: {o.requirement}" for o in stale)
+            print(f"stack.py: overrides the packages no longer declare (update OVERRIDES): {named}", file=sys.stderr)
+            return 1
+        lines = kept_requirements(report)
+    elif args.overrides:
+        lines = [f"{o.dependent}: {o.requirement} ({o.reason})" for o in OVERRIDES]
+    elif args.platforms:
+        lines = list(TARGET_PLATFORMS)
+    elif args.python_version:
+        lines = [TARGET_PYTHON]
+    else:
+        lines = [SGLANG_FLASHINFER_MIN]
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
