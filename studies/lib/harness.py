@@ -12,6 +12,7 @@ draw. docs/study.md reports the studies.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ProcessPoolExecutor
@@ -82,13 +83,26 @@ def complete(run_dir: Path, steps: int) -> bool:
     return path.is_file() and len(path.read_text().splitlines()) >= steps
 
 
-def run_all(specs: Sequence[Spec], out: Path, assets_dir: Path, jobs: int) -> list[dict[str, Any]]:
+def run_all(
+    specs: Sequence[Spec],
+    out: Path,
+    assets_dir: Path,
+    jobs: int,
+    stop_starting: float | None = None,
+    cut_at: float | None = None,
+) -> list[dict[str, Any]]:
     """Run ``specs`` into ``out/runs/<name>`` on ``jobs`` worker processes, skipping the runs already
-    complete there; returns each new run's timings (:func:`run_in_worker`), in the order of ``specs``."""
+    complete there; returns each new run's timings (:func:`run_in_worker`), in the order of ``specs``.
+
+    With ``stop_starting`` (epoch seconds) no run starts after that time, and with ``cut_at`` the
+    runs still going then are stopped (left incomplete, so the analysis leaves them out): a
+    protocol's time stop (:func:`run_until`)."""
     todo = [s for s in specs if not complete(out / "runs" / s.name, s.config().steps)]
     print(f"[study] {len(specs)} runs, {len(specs) - len(todo)} already done; {jobs} worker(s)", flush=True)
     if not todo:
         return []
+    if stop_starting is not None or cut_at is not None:
+        return run_until(todo, out, assets_dir, jobs, stop_starting or math.inf, cut_at or math.inf)
     start = time.perf_counter()
     timings = []
     ctx = get_context("spawn")
@@ -103,6 +117,53 @@ def run_all(specs: Sequence[Spec], out: Path, assets_dir: Path, jobs: int) -> li
                 flush=True,
             )
     return timings
+
+
+def run_until(
+    todo: Sequence[Spec], out: Path, assets_dir: Path, jobs: int, stop_starting: float, cut_at: float
+) -> list[dict[str, Any]]:
+    """:func:`run_all` under a time stop: at most ``jobs`` runs in flight, none started after
+    ``stop_starting``, the pool terminated at ``cut_at`` (epoch seconds); returns the finished runs' timings."""
+    start, timings, queue = time.perf_counter(), [], list(todo)
+    pool = get_context("spawn").Pool(jobs, initializer=worker_init, initargs=(str(assets_dir),))
+    running: list[Any] = []
+    try:
+        while queue or running:
+            while queue and len(running) < jobs and time.time() < stop_starting and fits(timings, cut_at):
+                spec = queue.pop(0)
+                args = (spec.config(), str(out / "runs" / spec.name), spec.arm)
+                running.append(pool.apply_async(run_in_worker, args))
+            if not running or time.time() >= cut_at:
+                break
+            time.sleep(1.0)
+            for job in [j for j in running if j.ready()]:
+                running.remove(job)
+                result = job.get()
+                timings.append(result)
+                print(
+                    f"[study] {len(timings)}/{len(todo)} {result['name']}: {result['run_s']:.0f} s "
+                    f"| {(time.perf_counter() - start) / 60:.1f} min",
+                    flush=True,
+                )
+            if queue and (time.time() >= stop_starting or not fits(timings, cut_at)):
+                print(f"[study] time stop: {len(queue)} run(s) not started", flush=True)
+                queue.clear()
+    finally:
+        if running:
+            print(f"[study] cut: {len(running)} run(s) stopped incomplete", flush=True)
+            pool.terminate()
+        else:
+            pool.close()
+        pool.join()
+    return timings
+
+
+def fits(timings: Sequence[dict[str, Any]], cut_at: float) -> bool:
+    """Whether a run started now ends before ``cut_at`` at the median run time so far (True before any)."""
+    if not timings:
+        return True
+    times = sorted(t["run_s"] for t in timings)
+    return time.time() + times[len(times) // 2] < cut_at
 
 
 def smooth(values: Sequence[float], window: int) -> list[float]:

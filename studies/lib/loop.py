@@ -21,7 +21,13 @@ second after the first import):
         rollout correction (TIS, IcePop, geometric sequence rejection: verl's rollout_corr_helper),
         old = log pi_old, pi_old = the weights of the last broadcast, fixed for the sync cycle as
         in verl's decoupled mode (old_log_prob is recomputed once per global step)
-    one AdamW step on the whole batch (one mini-batch per optimizer step: q is the step's, docs/sat.md#the-rule)
+    one AdamW step on the whole batch (one mini-batch per optimizer step: q is the step's, docs/sat.md#the-rule);
+        with ``max_token_len``, the batch is packed into micro-batches by verl's dynamic batching
+        (``rearrange_micro_batches``, as ``use_dynamic_bsz`` with ``ppo_max_token_len_per_gpu``) and
+        the gradients accumulate over them, each loss scaled by the step's counts as verl's worker
+        does (``global_batch_info``); ``sat_quantile_scope=step`` then gates every micro-batch on a
+        scoring pass's q over the whole step (verl_sat.sat.step_q), ``micro_batch`` on its own q
+    DPPO-TV's token mask (``dppo_tv_mask``) may be composed with the arm's loss, as a 0/1 weight
     held-out accuracy: the *trained* policy (trainer weights, no rollout mismatch) samples the
         fixed held-out problems at temperature 1 at ``eval_at`` steps and at the last step
 
@@ -55,6 +61,9 @@ LOSS_MODES = ("sat", "sat_gspo", "vanilla", "gspo", "dppo_tv", "cispo")
 SEQUENCE_LEVEL = ("sat_gspo", "gspo")
 """losses whose ratio and SAT score are GSPO's sequence ratio (docs/sat.md#sequence-level); the others: token level"""
 CORRECTIONS = ("none", "tis", "icepop", "geo_rs")
+QUANTILE_SCOPES = ("step", "micro_batch")
+DPPO_TV_DELTA = 1e-3
+"""DPPO-TV's probability threshold of the counterfactual ``study/dppo_*`` metrics (hydra_configs/algorithm/dppo.yaml)"""
 ROUTING_REPLAY = ("disabled", "R3")
 METRICS_FILE = "metrics.jsonl"
 
@@ -118,6 +127,14 @@ class LoopConfig:
     """seed of the held-out set and of its sampling: the same problems and random numbers in every run"""
     sat_alpha: float = 0.9
     """the quantile level of SAT's reference q (also for the counterfactual ``study/*`` metrics)"""
+    sat_quantile_scope: str = "step"
+    """the tokens SAT's q is taken over: step | micro_batch (SATPolicyLossConfig.sat_quantile_scope)"""
+    max_token_len: int = 0
+    """token budget of one micro-batch (verl's ppo_max_token_len_per_gpu with use_dynamic_bsz); 0: the
+    whole step is one micro-batch"""
+    dppo_tv_mask: float = 0.0
+    """> 0: DPPO-TV's token mask at this probability threshold applied to the arm's loss as a 0/1
+    weight (A > 0: keep pi - mu <= delta; A < 0: keep pi - mu >= -delta); 0: none"""
     threads: int = 1
 
     def __post_init__(self) -> None:
@@ -138,6 +155,9 @@ class LoopConfig:
             "eval_at": (all(0 <= s <= self.steps for s in self.eval_at), f"steps in [0, steps={self.steps}]"),
             "sat_alpha": (0.0 < self.sat_alpha < 1.0, "in (0, 1)"),
             "clip_ratio_c": (self.clip_ratio_c > 1.0, "> 1"),
+            "sat_quantile_scope": (self.sat_quantile_scope in QUANTILE_SCOPES, f"one of {QUANTILE_SCOPES}"),
+            "max_token_len": (self.max_token_len >= 0, ">= 0 (0: one micro-batch per step)"),
+            "dppo_tv_mask": (0.0 <= self.dppo_tv_mask < 1.0, "in [0, 1) (a probability threshold; 0: off)"),
         }
         for name in ("logit_bias_std", "logit_noise_std", "router_bias_std", "router_noise_std"):
             checks[name] = (getattr(self, name) >= 0, ">= 0")
@@ -179,7 +199,12 @@ def actor_config(cfg: LoopConfig) -> Any:
     from verl_sat import SATPolicyLossConfig
 
     if cfg.loss_mode in ("sat", "sat_gspo"):
-        policy_loss = SATPolicyLossConfig(loss_mode=cfg.loss_mode, sat_enabled=cfg.sat_enabled, sat_alpha=cfg.sat_alpha)
+        policy_loss = SATPolicyLossConfig(
+            loss_mode=cfg.loss_mode,
+            sat_enabled=cfg.sat_enabled,
+            sat_alpha=cfg.sat_alpha,
+            sat_quantile_scope=cfg.sat_quantile_scope,
+        )
     else:
         policy_loss = PolicyLossConfig(loss_mode=cfg.loss_mode)
     return ActorConfig(
@@ -249,13 +274,40 @@ def sat_activity(
     f = sat_factors(d, mask, cfg.sat_alpha, "hill", 2.0)
     band = intercepted(torch.exp(log_r), advantages, f, cfg.eps_low, cfg.eps_high)
     q = float(f.q)
+    dppo_masked = (dppo_tv_valid(log_prob, mu, advantages, DPPO_TV_DELTA) == 0) & mask.bool()
+    both = intercepted_tokens(torch.exp(log_r), advantages, f, cfg.eps_low, cfg.eps_high) & dppo_masked
     return {
         "study/q": q,
         "study/q_below_radius": float(q < math.log1p(cfg.eps_high)),
         "study/gate_rate": f.idx.numel() / n,
         "study/intercepted_frac": float(band) / n,
         "study/abs_d_mean": float(masked_mean(d.abs(), mask)),
+        "study/dppo_masked_frac": float(dppo_masked.sum()) / n,
+        "study/dppo_intercepted_overlap_frac": float(both.sum()) / n,
     }
+
+
+def intercepted_tokens(
+    ratio: torch.Tensor, advantages: torch.Tensor, f: Any, eps_low: float, eps_high: float
+) -> torch.Tensor:
+    """The (B, R) bool mask of the tokens ``verl_sat.sat.rule.intercepted`` counts (clipped by SAT, not by PPO):
+    {A > 0, 1 + eps_high~ < r < 1 + eps_high} or {A < 0, 1 - eps_low < r < 1 - eps_low~}, at the gated tokens."""
+    from verl_sat.sat.rule import gated_bounds
+
+    r = ratio.detach().reshape(-1)[f.idx]
+    lower_g, upper_g = (bound.to(r.dtype) for bound in gated_bounds(f, eps_low, eps_high))
+    adv = advantages.reshape(-1)[f.idx]
+    band = ((adv > 0) & (r > upper_g) & (r < 1.0 + eps_high)) | ((adv < 0) & (r < lower_g) & (r > 1.0 - eps_low))
+    out = torch.zeros(ratio.numel(), dtype=torch.bool)
+    out[f.idx] = band
+    return out.reshape(ratio.shape)
+
+
+def dppo_tv_valid(log_prob: torch.Tensor, old: torch.Tensor, advantages: torch.Tensor, delta: float) -> torch.Tensor:
+    """DPPO-TV's detached 0/1 token mask (the paper's binary-TV trust region; verl's ``dppo_tv`` loss):
+    A > 0: 1{pi - pi_old <= delta};  A <= 0: 1{pi - pi_old >= -delta}."""
+    change = torch.exp(log_prob.detach()) - torch.exp(old.detach())
+    return torch.where(advantages > 0, change <= delta, change >= -delta).float()
 
 
 def _sequence_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -400,13 +452,15 @@ class StudyLoop:
         """One optimizer step on ``batch`` with the arm's registered loss; returns verl-named metrics."""
         from verl.trainer.ppo import core_algos
 
-        from verl_sat.sat.losses import loss_context, masked_mean
+        from verl_sat.sat.losses import loss_context
 
         cfg, mask = self.cfg, batch.response_mask
         rewards = torch.zeros_like(mask)
         last = (mask.sum(-1).long() - 1).clamp(min=0)
         rewards[torch.arange(len(last)), last] = batch.scores.float()
         advantages, _ = core_algos.compute_grpo_outcome_advantage(rewards, mask, batch.index)
+        if cfg.max_token_len > 0:
+            return self._update_packed(batch, advantages)
         log_prob, entropy = self.log_probs(batch)
         mu = batch.rollout_log_prob
         old, weights, metrics = mu, None, {}
@@ -416,24 +470,146 @@ class StudyLoop:
             weights, mask, corr_metrics = rollout_correction(cfg, old, mu, mask)
             metrics.update(corr_metrics)
         metrics.update(sat_activity(cfg, log_prob.detach(), old, mu, advantages, batch.response_mask))
+        weights = self._dppo_weights(log_prob, old, advantages, mask, weights, metrics)
         with loss_context(rollout_log_prob=mu, whole_step=True):
             loss, loss_metrics = self.loss_fn(
                 old, log_prob, advantages, mask, cfg.loss_agg_mode, self.actor_config, weights
             )
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
+        metrics.update({k: float(v) for k, v in loss_metrics.items() if _scalar(v)})
+        return self._step(batch, log_prob.detach(), entropy, float(loss.detach()), metrics)
+
+    def _dppo_weights(
+        self,
+        log_prob: torch.Tensor,
+        old: torch.Tensor,
+        advantages: torch.Tensor,
+        mask: torch.Tensor,
+        weights: torch.Tensor | None,
+        metrics: dict[str, float],
+    ) -> torch.Tensor | None:
+        """The loss's token weights with DPPO-TV's mask composed in (``dppo_tv_mask``), else unchanged."""
+        if self.cfg.dppo_tv_mask <= 0:
+            return weights
+        valid = dppo_tv_valid(log_prob, old, advantages, self.cfg.dppo_tv_mask)
+        n = float(mask.sum())
+        metrics["study/dppo_arm_masked_frac"] = float(((1.0 - valid) * mask).sum()) / n if n else 0.0
+        return valid if weights is None else weights * valid
+
+    def micro_batches(self, batch: Batch) -> list[list[int]]:
+        """Row indices per micro-batch: verl's dynamic batching by ``max_token_len`` tokens
+        (``seqlen_balancing.rearrange_micro_batches``, what ``use_dynamic_bsz`` runs); one for 0."""
+        if self.cfg.max_token_len <= 0:
+            return [list(range(batch.input_ids.shape[0]))]
+        from tensordict import TensorDict
+        from verl.utils.seqlen_balancing import rearrange_micro_batches
+
+        rows = TensorDict(
+            {"input_ids": batch.input_ids, "attention_mask": batch.attention_mask},
+            batch_size=[batch.input_ids.shape[0]],
+        )
+        _, index = rearrange_micro_batches(rows, self.cfg.max_token_len)
+        return [list(map(int, part)) for part in index]
+
+    def _update_packed(self, batch: Batch, advantages: torch.Tensor) -> dict[str, float]:
+        """The step as gradient accumulation over packed micro-batches (``max_token_len``): the arm's
+        loss is called once per micro-batch on its rows, scaled by the step's token and response
+        counts (verl's ``global_batch_info``), and the sum is backpropagated once. The rows'
+        log-probs come from one forward over the step, whose rows do not see each other (the same
+        log-probs as a forward per micro-batch, up to float: tests/test_study_loop_packing_on_cpu.py).
+        ``sat_quantile_scope=step`` gates every micro-batch on the step's q over that forward's
+        score (verl_sat.sat.step_q, as verl-sat's worker does); ``micro_batch`` each on its own q."""
+        from verl_sat.sat.losses import loss_context
+        from verl_sat.sat.quantile import exact_quantile
+        from verl_sat.sat.step_q import needs_step_q, step_scores
+
+        cfg, mask, mu = self.cfg, batch.response_mask, batch.rollout_log_prob
+        log_prob, entropy = self.log_probs(batch)
+        score = log_prob.detach()  # the step's score at this step's weights (no update inside a step)
+        old, weights, metrics = mu, None, {}
+        if cfg.correction != "none":
+            with torch.no_grad():
+                old = self.log_probs(batch, self.old_policy)[0]
+            weights, mask, corr_metrics = rollout_correction(cfg, old, mu, mask)
+            metrics.update(corr_metrics)
+        metrics.update(sat_activity(cfg, score, old, mu, advantages, batch.response_mask))
+        weights = self._dppo_weights(score, old, advantages, mask, weights, metrics)
+        step_q = None
+        if needs_step_q(self.actor_config):
+            values, counts = step_scores(cfg.loss_mode, score, old, mask)
+            step_q = float(exact_quantile(values, cfg.sat_alpha, counts))
+        self.actor_config.global_batch_info.update(  # in place, as verl's ppo_loss fills it
+            {
+                "dp_size": 1,
+                "batch_num_tokens": int(mask.sum()),
+                "global_batch_size": int((mask.sum(-1) > 0).sum()),
+                "loss_scale_factor": None,
+            }
+        )
+        parts = self.micro_batches(batch)
+        total, sums, gated, starved, active = 0.0, {}, 0.0, 0, 0
+        try:
+            for rows in parts:
+                index = torch.tensor(rows, dtype=torch.long)
+                w = None if weights is None else weights[index]
+                scored = score[index] if step_q is not None else None
+                with loss_context(rollout_log_prob=mu[index], step_q=step_q, score_log_prob=scored):
+                    loss, loss_metrics = self.loss_fn(
+                        old[index],
+                        log_prob[index],
+                        advantages[index],
+                        mask[index],
+                        cfg.loss_agg_mode,
+                        self.actor_config,
+                        w,
+                    )
+                total = total + loss
+                for k, v in loss_metrics.items():
+                    if _scalar(v):
+                        sums[k] = sums.get(k, 0.0) + float(v)
+                n = float(mask[index].sum())
+                if n > 0 and "actor/sat_gate_rate" in loss_metrics:
+                    active += 1
+                    gated += float(loss_metrics["actor/sat_gate_rate"]) * n
+                    starved += float(loss_metrics["actor/sat_gate_rate"]) == 0.0
+        finally:
+            self.actor_config.global_batch_info.clear()
+        self.optimizer.zero_grad(set_to_none=True)
+        total.backward()
+        metrics.update({k: v / len(parts) for k, v in sums.items()})
+        sizes = [len(rows) for rows in parts]
+        metrics.update(
+            {
+                "study/micro_batches": float(len(parts)),
+                "study/seqs_per_micro_batch_min": float(min(sizes)),
+                "study/seqs_per_micro_batch_max": float(max(sizes)),
+                "study/seqs_per_micro_batch_mean": sum(sizes) / len(sizes),
+            }
+        )
+        if active:  # the gate the SAT loss applied, over its micro-batches (SAT enabled only)
+            metrics["study/mb_gate_rate"] = gated / float(mask.sum())
+            metrics["study/mb_starved_frac"] = starved / active
+        return self._step(batch, score, entropy, float(total.detach()), metrics)
+
+    def _step(
+        self, batch: Batch, log_prob: torch.Tensor, entropy: torch.Tensor, loss: float, metrics: dict[str, float]
+    ) -> dict[str, float]:
+        """Clip the accumulated gradient, step AdamW unless its norm is non-finite (verl's actor), and log."""
+        from verl_sat.sat.losses import masked_mean
+
+        cfg, mu = self.cfg, batch.rollout_log_prob
         grad_norm = torch.nn.utils.clip_grad_norm_(self.policy.parameters(), cfg.grad_clip)
         finite = bool(torch.isfinite(grad_norm))
         if finite:  # verl's actor skips the step on a non-finite gradient norm
             self.optimizer.step()
-        metrics.update({k: float(v) for k, v in loss_metrics.items() if _scalar(v)})
         metrics.update(
             {
                 "critic/score/mean": float(batch.scores.float().mean()),
-                "actor/mismatch_abs_mean": float(masked_mean((log_prob.detach() - mu).abs(), batch.response_mask)),
+                "actor/mismatch_abs_mean": float(masked_mean((log_prob - mu).abs(), batch.response_mask)),
                 "actor/entropy": float(masked_mean(entropy, batch.response_mask)),
                 "actor/grad_norm": float(grad_norm) if finite else math.inf,
-                "actor/pg_loss": float(loss.detach()),
+                "actor/pg_loss": loss,
                 "response_length/mean": float(batch.response_mask.sum(-1).mean()),
             }
         )
@@ -516,6 +692,24 @@ class StudyLoop:
             if sink is not None:
                 sink.close()
         return rows
+
+
+def _rows(batch: Batch, rows: list[int]) -> Batch:
+    """The micro-batch of ``batch`` holding ``rows`` (R3's routes included), in that order."""
+    index = torch.tensor(rows, dtype=torch.long)
+    routes = None if batch.routes is None else [batch.routes[i] for i in rows]
+    return Batch(
+        batch.input_ids[index],
+        batch.attention_mask[index],
+        batch.response_mask[index],
+        batch.response_ids[index],
+        batch.rollout_log_prob[index],
+        batch.prompt_len[index],
+        batch.scores[index],
+        batch.index[rows],
+        routes,
+        batch.version,
+    )
 
 
 def _scalar(value: Any) -> bool:
