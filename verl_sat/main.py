@@ -25,7 +25,7 @@ import hydra
 from omegaconf import DictConfig, OmegaConf
 
 from verl_sat.files import METRICS_FILE, hydra_config_dir, read_metrics
-from verl_sat.preflight.cluster import prepare_cluster
+from verl_sat.preflight.cluster import PlacementWatch, prepare_cluster
 from verl_sat.trainer import auto_lag, launch, progress
 from verl_sat.trainer.console import CONSOLE_LOG, quiet_console, quiet_sources
 from verl_sat.trainer.faults import finish_run
@@ -65,8 +65,11 @@ def run(cfg: DictConfig) -> list[dict[str, Any]]:
         printer.start()
         start = time.perf_counter()
         try:
-            # a dead server/worker: exit 4
-            with Supervisor(run_dir, cfg.trainer.get("total_training_steps"), out=terminal):
+            # a dead server/worker: exit 4; a pool Ray does not place: exit 5
+            with (
+                Supervisor(run_dir, cfg.trainer.get("total_training_steps"), out=terminal),
+                PlacementWatch(out=terminal),
+            ):
                 run_ppo(cfg, task_runner_class=TaskRunnerV1)
         finally:
             printer.stop()

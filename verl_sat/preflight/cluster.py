@@ -10,16 +10,28 @@ preflight runs ``verl_sat.preflight.facts.gather`` on each node this way.
 ``ray_kwargs.ray_init`` keys only a local cluster takes, makes the config's local paths absolute,
 and checks them on every node (``paths_on_nodes``, which the cluster preflight runs too): a path
 only the driver's machine can see fails before training, with the key, the node and the path.
+It also refuses a layout whose pools the nodes cannot hold (:func:`layout_refusal`, the preflight's
+``cluster_layout`` placement) before training, and :class:`PlacementWatch` stops a job whose
+placement group Ray has not placed within ``VERL_SAT_PLACEMENT_TIMEOUT_S``.
+
+Ray 2.60's token authentication: :func:`connect` joins as Ray does for ``address="auto"`` (token
+mode on when a token exists and ``RAY_AUTH_MODE`` is unset; Ray does not for an explicit address),
+and a connection the cluster refuses for authentication ends the launch with one line.
 """
 
 from __future__ import annotations
 
+import _thread
 import os
+import signal
+import sys
+import threading
+import time
 import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 from omegaconf import DictConfig, ListConfig, OmegaConf, open_dict
 
@@ -60,6 +72,19 @@ PATH_KEYS = (
     "trainer.default_local_dir",
 )
 TOKEN_FILE = ".cluster_token"
+# Ray 2.60's token authentication: the mode, the token (or its file) and the default file, which
+# `ray start --head`, `ray get-auth-token --generate` and a local ray.init() write.
+AUTH_MODE_ENV = "RAY_AUTH_MODE"
+AUTH_TOKEN_ENV = "RAY_AUTH_TOKEN"
+AUTH_TOKEN_PATH_ENV = "RAY_AUTH_TOKEN_PATH"
+# What Ray says when the cluster refuses a connection for authentication (its AuthenticationError,
+# or the gRPC status under the ConnectionError it raises after retrying).
+AUTH_REFUSED = ("AuthenticationError", "InvalidAuthToken", "Unauthenticated")
+# A placement group of this job still pending after this long stops the job (0: no limit).
+PLACEMENT_TIMEOUT_ENV = "VERL_SAT_PLACEMENT_TIMEOUT_S"
+PLACEMENT_TIMEOUT_S = 300.0
+EXIT_NOT_PLACED = 5
+GRACE_S = 20.0
 
 
 # ---------------------------------------------------------------------------------------------
@@ -130,6 +155,100 @@ def cluster_address(cfg: DictConfig) -> str | None:
     ``ray job submit`` sets for its entrypoint); None: verl starts a cluster of its own."""
     address = OmegaConf.select(cfg, f"{RAY_INIT}.address")
     return str(address) if address not in (None, "", "local") else os.environ.get("RAY_ADDRESS") or None
+
+
+# ---------------------------------------------------------------------------------------------
+# joining: Ray's token authentication
+# ---------------------------------------------------------------------------------------------
+def token_source() -> str:
+    """Where Ray reads the cluster's token: ``RAY_AUTH_TOKEN``, else the file ``RAY_AUTH_TOKEN_PATH``,
+    else ``~/.ray/auth_token`` (Ray's ``AuthenticationTokenLoader`` order)."""
+    if os.environ.get(AUTH_TOKEN_ENV):
+        return f"${AUTH_TOKEN_ENV}"
+    return os.environ.get(AUTH_TOKEN_PATH_ENV) or str(Path.home() / ".ray" / "auth_token")
+
+
+def join_with_token(log: Any = print) -> bool:
+    """Token mode on for joining a cluster by its address, as Ray does only for ``address="auto"``:
+    when ``RAY_AUTH_MODE`` is unset and a token exists (a mode the user set is kept). True if on."""
+    if os.environ.get(AUTH_MODE_ENV) is not None:
+        return os.environ[AUTH_MODE_ENV].lower() == "token"
+    from ray._private.authentication.authentication_token_setup import maybe_enable_token_auth_if_token_available
+
+    enabled = maybe_enable_token_auth_if_token_available(warn_if_disabled=False)
+    if enabled:
+        log(f"[verl-sat] joining with Ray's token authentication ({AUTH_MODE_ENV}=token, token: {token_source()})")
+    return enabled
+
+
+def refused_for_auth(exc: BaseException) -> bool:
+    """``exc`` (or an exception it was raised from) is the cluster refusing this process's token."""
+    seen: BaseException | None = exc
+    while seen is not None:
+        if any(name in f"{type(seen).__name__}: {seen}" for name in AUTH_REFUSED):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
+
+
+def auth_refusal(address: str, user_mode: str | None) -> str:
+    """The line that ends a launch the cluster refused for authentication."""
+    source = token_source()
+    has = source.startswith("$") or Path(source).is_file()
+    mode = f"{AUTH_MODE_ENV}={user_mode} (yours)" if user_mode is not None else f"{AUTH_MODE_ENV} unset"
+    token = f"the token in {source} is not the cluster's" if has else f"no token at {source}"
+    return (
+        f"[verl-sat] error: the Ray cluster at {address} refused this job for authentication ({mode}, {token}): "
+        f"export {AUTH_MODE_ENV}=token and put the head's token (`ray get-auth-token` there) at {source} "
+        f"(or name its file in {AUTH_TOKEN_PATH_ENV}); docs/cluster.md"
+    )
+
+
+def connect(address: str, log: Any = print) -> None:
+    """``ray.init(address=...)`` with Ray's token authentication as ``join_with_token`` sets it; a
+    refusal for authentication raises ``SystemExit`` with :func:`auth_refusal`'s line."""
+    import ray
+
+    user_mode = os.environ.get(AUTH_MODE_ENV)
+    join_with_token(log)
+    try:
+        ray.init(address=address, log_to_driver=False, logging_level="ERROR")
+    except Exception as exc:
+        if refused_for_auth(exc):
+            raise SystemExit(auth_refusal(address, user_mode)) from None
+        raise
+
+
+# ---------------------------------------------------------------------------------------------
+# the pools: do they fit, are they placed
+# ---------------------------------------------------------------------------------------------
+def largest(nodes: Sequence[Node]) -> Node:
+    """The node with the most accelerator slots, then CPUs."""
+    return max(nodes, key=lambda n: (n.gpus, n.cpus))
+
+
+def layout_refusal(cfg: DictConfig, nodes: Sequence[Node]) -> str | None:
+    """The line refusing a layout whose pools the nodes cannot hold, as the preflight's
+    ``cluster_layout`` places them (``checks.place`` on ``estimates.pool_bundles``); None if they fit."""
+    from verl_sat.preflight.checks import place  # checks imports this module
+    from verl_sat.preflight.estimates import pool_bundles
+
+    groups = pool_bundles(cfg)
+    if not nodes or place(groups, nodes) is not None:
+        return None
+    big = largest(nodes)
+    pools: dict[tuple[str, int, int], int] = {}
+    for group in groups:
+        pools[group] = pools.get(group, 0) + 1
+    asked = ", ".join(f"pool {pool}: {k} group(s) of {g} GPU + {c} CPU" for (pool, g, c), k in pools.items())
+    over = [f"pool {pool}'s {g} GPU + {c} CPU" for pool, g, c in pools if g > big.gpus or c > big.cpus]
+    why = f"{' and '.join(over)} exceed(s) every node" if over else f"together they exceed the {len(nodes)} node(s)"
+    return (
+        f"[verl-sat] error: verl's pools do not fit this Ray cluster, so its placement would wait forever: "
+        f"{asked}, each group on one node; the largest node, {big.name}, has {big.gpus} GPU + {big.cpus} CPU: {why}. "
+        "Change trainer.nnodes / trainer.n_gpus_per_node / actor_rollout_ref.rollout.nnodes / "
+        "actor_rollout_ref.rollout.n_gpus_per_node, or start the nodes with more --num-gpus / --num-cpus"
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -240,8 +359,9 @@ def drop_local_cluster_keys(cfg: DictConfig) -> list[str]:
 
 def prepare_cluster(cfg: DictConfig, run_dir: Path, log: Any = print) -> bool:
     """On a cluster started beforehand: drop the local-cluster ``ray.init`` keys, make the paths
-    absolute and check them on every node (``FileNotFoundError`` naming key, node and path).
-    Returns False, changing nothing, when verl starts its own cluster."""
+    absolute, join (:func:`connect`), refuse a layout the nodes cannot hold (``SystemExit`` with
+    :func:`layout_refusal`'s line) and check the paths on every node (``FileNotFoundError`` naming
+    key, node and path). Returns False, changing nothing, when verl starts its own cluster."""
     address = cluster_address(cfg)
     if address is None:
         return False
@@ -256,14 +376,136 @@ def prepare_cluster(cfg: DictConfig, run_dir: Path, log: Any = print) -> bool:
         log(f"[verl-sat] made absolute for the workers: {', '.join(changed)}")
     import ray
 
-    ray.init(address=address, log_to_driver=False, logging_level="ERROR")
+    connect(address, log)
     try:
-        problems = paths_on_nodes(cfg, {"sat.run_dir": Path(run_dir)})
+        nodes = alive_nodes()
+        refusal = layout_refusal(cfg, nodes)
+        problems = [] if refusal else paths_on_nodes(cfg, {"sat.run_dir": Path(run_dir)}, nodes)
     finally:
         ray.shutdown()
+    if refusal:
+        raise SystemExit(refusal)
     if problems:
         raise FileNotFoundError(
             "a path only the driver's machine can see (the workers run on every node):\n  "
             + "\n  ".join(p.line() for p in problems)
         )
     return True
+
+
+# ---------------------------------------------------------------------------------------------
+# a placement that never comes
+# ---------------------------------------------------------------------------------------------
+def placement_timeout_s() -> float:
+    """``VERL_SAT_PLACEMENT_TIMEOUT_S`` (seconds; 0: no limit), else ``PLACEMENT_TIMEOUT_S``."""
+    raw = os.environ.get(PLACEMENT_TIMEOUT_ENV, "")
+    try:
+        value = float(raw) if raw else PLACEMENT_TIMEOUT_S
+    except ValueError:
+        raise ValueError(f"{PLACEMENT_TIMEOUT_ENV}={raw!r} is not a number of seconds") from None
+    if value < 0:
+        raise ValueError(f"{PLACEMENT_TIMEOUT_ENV}={raw!r} must be >= 0 (0: no limit)")
+    return value
+
+
+def pending_groups() -> dict[str, dict[str, Any]]:
+    """This job's placement groups Ray has not placed (``PENDING``), by id, from the GCS's table
+    (``ray.util.placement_group_table``; a group's id ends with its creator job's id)."""
+    import ray
+    from ray.util import placement_group_table
+
+    job = ray.get_runtime_context().get_job_id()
+    return {
+        pg_id: info
+        for pg_id, info in placement_group_table().items()
+        if pg_id.endswith(job) and info.get("state") == "PENDING"
+    }
+
+
+def not_placed_line(info: dict[str, Any], waited_s: float, nodes: Sequence[Node]) -> str:
+    """The line that stops a job whose placement group ``info`` has waited ``waited_s``."""
+    name = str(info.get("name", ""))
+    pool = name.split("verl_group_")[0] or name or info.get("placement_group_id", "?")
+    bundles = list((info.get("bundles") or {}).values())
+    shape = ", ".join(f"{k} {v:g}" for k, v in sorted((bundles[0] if bundles else {}).items()))
+    state = (info.get("stats") or {}).get("scheduling_state", "?")
+    top = largest(nodes) if nodes else None
+    big = f"the largest node, {top.name}, has {top.gpus} GPU + {top.cpus} CPU" if top else "no alive node"
+    return (
+        f"[verl-sat] error: verl's placement group {name} (pool {pool}: {len(bundles)} bundle(s) of {{{shape}}}, "
+        f"{info.get('strategy', '')}) not placed after {waited_s:.0f} s (Ray: {state}); {big}: the nodes are too "
+        f"small for the pool or another job holds their slots; the job stops (exit {EXIT_NOT_PLACED}). "
+        f"{PLACEMENT_TIMEOUT_ENV}=<seconds> waits longer (0: no limit)"
+    )
+
+
+class PlacementWatch(threading.Thread):
+    """Stops the job when one of its placement groups stays pending past ``timeout_s``: verl waits
+    on ``pg.ready()`` without a limit (``RayResourcePool.get_placement_groups``), inside its task
+    runner, so the driver polls Ray's placement-group table every ``interval`` seconds, prints one
+    line, interrupts itself and exits ``EXIT_NOT_PLACED`` (forced ``GRACE_S`` later if it hangs)."""
+
+    def __init__(self, timeout_s: float | None = None, interval: float = 2.0, out: TextIO | None = None) -> None:
+        super().__init__(daemon=True, name="verl-sat-placement")
+        self.timeout_s = placement_timeout_s() if timeout_s is None else float(timeout_s)
+        self.interval, self.out = interval, out
+        self.stopped = threading.Event()
+        self.lock = threading.Lock()  # no interrupt once __exit__ has stopped the watch
+        self.first_seen: dict[str, float] = {}
+        self.line: str | None = None
+
+    def check(self) -> str | None:
+        """The line for the first of this job's groups pending past the timeout, else None."""
+        import ray
+
+        if not ray.is_initialized():
+            return None
+        try:
+            pending = pending_groups()
+        except Exception:  # Ray starting or shutting down under us
+            return None
+        now = time.monotonic()
+        self.first_seen = {pg: self.first_seen.get(pg, now) for pg in pending}
+        late = [pg for pg, since in self.first_seen.items() if now - since >= self.timeout_s]
+        if not late:
+            return None
+        return not_placed_line(pending[late[0]], now - self.first_seen[late[0]], alive_nodes())
+
+    def run(self) -> None:
+        while not self.stopped.wait(self.interval):
+            line = self.check()
+            if line is None:
+                continue
+            with self.lock:
+                if self.stopped.is_set():
+                    return
+                self.line = line
+                print(line, file=self.out or sys.stdout, flush=True)
+                _thread.interrupt_main()
+            if not self.stopped.wait(GRACE_S):
+                os._exit(EXIT_NOT_PLACED)
+            return
+
+    def __enter__(self) -> PlacementWatch:
+        # _thread.interrupt_main() does nothing while SIGINT is ignored (a job started with `&`).
+        self._sigint = None
+        if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+            self._sigint = signal.signal(signal.SIGINT, signal.default_int_handler)
+        if self.timeout_s > 0:
+            self.start()
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> bool:
+        try:
+            with self.lock:
+                self.stopped.set()
+            if self.is_alive():
+                self.join()
+        except KeyboardInterrupt:  # the watch's interrupt, issued just before the driver got here
+            if self.line is None:
+                raise
+        if self._sigint is not None:
+            signal.signal(signal.SIGINT, self._sigint)
+        if self.line is not None:
+            raise SystemExit(EXIT_NOT_PLACED) from None
+        return False

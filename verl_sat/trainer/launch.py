@@ -3,7 +3,7 @@ environment set, and ``run.json`` written. :func:`prepare_run` does these in ord
 ``verl_sat.trainer.recipe.resolve`` made (``verl_sat.main.prepare`` calls the two).
 
 - :func:`fill_defaults`: what the user left unset, from the embedded default (``sat.default_assets``,
-  built by ``verl_sat.default.assets``);
+  built by ``verl_sat.default.assets``), the micro-batch sizes from the data-parallel size;
 - :func:`check_paths`: the keys a run cannot start without, and every local path the config
   names, fail here with the key and the path (and :func:`overlap_warning` for ``sat.heldout``);
 - :func:`make_run_dir`: ``sat.run_dir`` (printed at start) with verl's file logger and
@@ -11,8 +11,8 @@ environment set, and ``run.json`` written. :func:`prepare_run` does these in ord
   complete checkpoint (``trainer.resume_mode=auto``) or refused, and nothing is overwritten;
 - :func:`set_platform_env`, :func:`pass_env_to_ray`: what the Ray workers need from the driver,
   through the job's runtime environment (a cluster started beforehand does not inherit ours);
-- ``verl_sat.cluster.paths.prepare_cluster``: on a cluster started beforehand, every path checked
-  on every node;
+- ``verl_sat.preflight.cluster.prepare_cluster``: on a cluster started beforehand, the layout
+  checked against the nodes and every path checked on every node;
 - :func:`write_run_record`: the record of what ran.
 """
 
@@ -92,12 +92,64 @@ def keys_to_fill(cfg: DictConfig) -> list[str]:
     return keys
 
 
-def fill_defaults(cfg: DictConfig, assets_dir: str | None = None) -> dict[str, str]:
+ACTOR_KEY = "actor_rollout_ref.actor"
+ROLLOUT_KEY = "actor_rollout_ref.rollout"
+# Micro-batch key -> (verl's older global form, which replaces it; the dynamic-batching switch, which makes it unused).
+MICRO_BATCH_KEYS = {
+    f"{ACTOR_KEY}.ppo_micro_batch_size_per_gpu": (f"{ACTOR_KEY}.ppo_micro_batch_size", f"{ACTOR_KEY}.use_dynamic_bsz"),
+    f"{ROLLOUT_KEY}.log_prob_micro_batch_size_per_gpu": (
+        f"{ROLLOUT_KEY}.log_prob_micro_batch_size",
+        f"{ROLLOUT_KEY}.log_prob_use_dynamic_bsz",
+    ),
+}
+
+
+def trainer_dp_size(cfg: DictConfig) -> int:
+    """The trainer's data-parallel ranks: ``trainer.nnodes × trainer.n_gpus_per_node`` over the
+    actor's model-parallel size (FSDP: Ulysses SP; Megatron: TP × PP × CP)."""
+    world = int(OmegaConf.select(cfg, "trainer.nnodes", default=1) or 1) * int(
+        OmegaConf.select(cfg, "trainer.n_gpus_per_node", default=1) or 1
+    )
+    actor = OmegaConf.select(cfg, ACTOR_KEY) or {}
+    if str(actor.get("strategy", "fsdp")) == "megatron":
+        megatron = actor.get("megatron") or {}
+        shards = 1
+        for key in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size"):
+            shards *= int(megatron.get(key) or 1)
+    else:
+        fsdp = actor.get("fsdp_config") or {}  # the Ulysses key there, or the deprecated one on the actor
+        shards = max(
+            int(fsdp.get("ulysses_sequence_parallel_size") or 1), int(actor.get("ulysses_sequence_parallel_size") or 1)
+        )
+    return max(1, world // shards)
+
+
+def fill_micro_batches(cfg: DictConfig) -> dict[str, int]:
+    """The micro-batch keys left unset (neither their global form nor dynamic batching set): one
+    micro-batch per rank's share of a mini-batch, ``ppo_mini_batch_size × rollout.n / DP``, so a
+    mini-batch splits evenly over any number of trainer nodes (verl: "data size must be divisible by
+    force_group_size * micro_batch_size_per_gpu"). Returns ``{key: value}`` filled."""
+    mini = int(OmegaConf.select(cfg, f"{ACTOR_KEY}.ppo_mini_batch_size", default=1) or 1)
+    responses = int(OmegaConf.select(cfg, f"{ROLLOUT_KEY}.n", default=1) or 1)
+    per_rank = max(1, mini * responses // trainer_dp_size(cfg))
+    filled = {
+        key: per_rank
+        for key, (global_key, dynamic_key) in MICRO_BATCH_KEYS.items()
+        if is_unset(cfg, key) and is_unset(cfg, global_key) and not OmegaConf.select(cfg, dynamic_key, default=False)
+    }
+    with open_dict(cfg):
+        for key, value in filled.items():
+            OmegaConf.update(cfg, key, value, merge=False)
+    return filled
+
+
+def fill_defaults(cfg: DictConfig, assets_dir: str | None = None) -> dict[str, str | int]:
     """Fill each key of the embedded default that the user left unset; returns ``{key: value}`` filled.
 
     A value the user passed is kept, whatever it is; our default configs leave the four keys null
     so that "null" is what "unset" means. The tiny model and data are built (once) only when the
-    model or a data split is to be filled. The reward's function name defaults to
+    model or a data split is to be filled. The micro-batch sizes left null follow the
+    data-parallel size (:func:`fill_micro_batches`). The reward's function name defaults to
     ``compute_score``; a name the user set must exist in the embedded reward module.
     """
     from verl_sat.default import reward
@@ -120,7 +172,7 @@ def fill_defaults(cfg: DictConfig, assets_dir: str | None = None) -> dict[str, s
     with open_dict(cfg):
         for key, value in filled.items():
             OmegaConf.update(cfg, key, value, merge=False)
-    return filled
+    return {**filled, **fill_micro_batches(cfg)}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -273,7 +325,7 @@ def pass_env_to_ray(cfg: DictConfig, names: tuple[str, ...] = RAY_ENV_VARS, pref
 # run.json
 # ---------------------------------------------------------------------------------------------
 def write_run_record(
-    run_dir: Path, cfg: DictConfig, sat: SATRecipeConfig, derived: str, filled: dict[str, str]
+    run_dir: Path, cfg: DictConfig, sat: SATRecipeConfig, derived: str, filled: dict[str, str | int]
 ) -> None:
     """``run.json``: the method (explicit ``sat.method`` or derived), the lag, the values the
     embedded default filled in, and the resolved config."""
