@@ -1,5 +1,5 @@
 """The learning curve: q per micro-batch against q per step, and SAT with DPPO-TV (issue 46;
-studies/curve/study_protocol_curve.md).
+studies/curve/study_protocol_curve_v2.md).
 
     python studies/curve/curve_study.py run --out runs/curve --stop-starting 08:00 --cut-at 08:08
                                                                       # the 64 runs, seed-major, until the stop
@@ -28,7 +28,8 @@ from pathlib import Path
 from typing import Any
 
 HERE = Path(__file__).resolve().parent
-PROTOCOL = HERE / "study_protocol_curve.md"
+PROTOCOL = HERE / "study_protocol_curve_v2.md"
+"""v2 supersedes study_protocol_curve.md (which named assets not on this machine; no run under it finished)"""
 sys.path.insert(0, str(HERE.parent / "confirmatory"))
 import sat_study as base  # noqa: E402  (one harness: arms, specs, run statistics, protocol check)
 
@@ -240,7 +241,7 @@ def report(result: dict[str, Any], protocol: dict[str, Any], provenance: dict[st
     seeds = result["seeds"]
     span = f"{seeds[0]}-{seeds[-1]}" if seeds else "none"
     lines = [
-        "# Curve study (studies/curve/study_protocol_curve.md)",
+        "# Curve study (studies/curve/study_protocol_curve_v2.md)",
         "",
         f"Protocol commit `{provenance.get('protocol_commit')}` (blob `{provenance.get('protocol_blob')}`), assets "
         f"`{provenance.get('assets_fingerprint')}`" + (" (quick: not evidence)" if provenance.get("quick") else ""),
@@ -368,6 +369,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     assets = args.assets or base._default_assets()
     provenance["assets_fingerprint"] = base.assets_fingerprint(assets)
+    pinned = protocol.get("assets_fingerprint")
+    if not quick and pinned and provenance["assets_fingerprint"] != pinned:
+        raise SystemExit(f"[study] assets {assets} are {provenance['assets_fingerprint']}, the protocol pins {pinned}")
     stop = utc_today(args.stop_starting) if args.stop_starting else None
     cut = utc_today(args.cut_at) if args.cut_at else None
     out.mkdir(parents=True, exist_ok=True)
