@@ -1,120 +1,165 @@
-"""A dead SGLang scheduler ends the job with exit 4 and one line (verl_sat.trainer.supervisor).
+"""A dead process under verl's SGLang server actor ends the job with exit 4 and one line
+(verl_sat.trainer.supervisor), and so does the server actor itself.
 
-A fresh interpreter without ``VERL_PLATFORM`` plays verl's SGLang server actor: it runs verl
-0.9.1's own ``SGLangHttpServer.launch_server`` (as the server of node 1 of a two-node replica,
-whose launch returns once SGLang's processes are up, before the HTTP server), with SGLang's modules
-as import scaffolding (tests/sglang_stub.py) and an ``Engine._launch_subprocesses`` that starts a
-scheduler the way SGLang 0.5.12 does: a ``multiprocessing`` child of the server actor under the
-``spawn`` start method (entrypoints/engine.py ``_launch_scheduler_processes``). The plugin's
-wrapper must register both; killing the scheduler must stop the driver's ``Supervisor`` with
-``EXIT_PROCESS_DIED``.
+Nothing registers them: the supervisor finds verl's server actor in Ray's actor table by its class
+(``SGLangHttpServer``) and name (``sglang_server_<replica>_<node>``), and the processes under it
+with psutil. One ``ray.init`` (1 CPU, no dashboard) plays it: an actor of that class and name
+starts its children the way SGLang 0.5.12 does (``Engine._launch_subprocesses``: a scheduler, a
+``multiprocessing`` child under the ``spawn`` start method, titled ``sglang::scheduler_TP0``), the
+scheduler a grandchild of its own, and, before the rollout serves, a helper that exits by design
+(as vLLM's model-inspection subprocess does). The names the supervisor relies on are read from
+verl 0.9.1's own server modules.
 """
 
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import json
 import os
-import subprocess
-import sys
+import signal
 import time
 from pathlib import Path
 
 import pytest
 
-import verl_sat
-from verl_sat.processes import PROCESSES_DIR, RUN_DIR_ENV
+from verl_sat.trainer import supervisor
 from verl_sat.trainer.supervisor import EXIT_PROCESS_DIED, Supervisor
 
 pytestmark = pytest.mark.gpu_branch
 
-TESTS = Path(__file__).resolve().parent
-CLEARED = ("VERL_PLATFORM", "VERL_USE_EXTERNAL_PLUGINS", "VERL_USE_EXTERNAL_MODULES")
+VERL = Path(importlib.util.find_spec("verl").origin).parent
 
-SERVER = r"""
-import asyncio, dataclasses, json, multiprocessing, os, sys, time
-from types import SimpleNamespace
-assert "VERL_PLATFORM" not in os.environ
-import sglang_stub
-sglang_stub.install()
-http_server = sys.modules["sglang.srt.entrypoints.http_server"]
-
-@dataclasses.dataclass
-class ServerArgs:  # ServerArgs(**args) keeps verl's arguments
-    kwargs: dict = dataclasses.field(default_factory=dict)
-    def __init__(self, **kwargs):
-        self.kwargs = kwargs
-
-class Engine:
-    @classmethod
-    def _launch_subprocesses(cls, server_args, **funcs):
-        # SGLang 0.5.12: the scheduler is an mp.Process child of this process (spawn start method).
-        scheduler = multiprocessing.get_context("spawn").Process(target=time.sleep, args=(600,), daemon=True)
-        scheduler.start()
-        return None, None, None, None, None
-
-http_server.ServerArgs, http_server.Engine = ServerArgs, Engine
-import verl.workers.rollout.sglang_rollout.async_sglang_server as server_module
-from verl.workers.config import RolloutConfig
-from verl.workers.rollout.replica import RolloutMode
-
-cls = server_module.SGLangHttpServer
-assert getattr(cls.launch_server, "__verl_sat_supervised__", False), "the plugin did not wrap launch_server"
-server = object.__new__(cls)
-server.config = RolloutConfig(name="sglang", enable_rollout_routing_replay=True)
-server.model_config = SimpleNamespace(local_path="/model", trust_remote_code=False, lora_rank=0, lora={},
-                                      target_modules=None, hf_config=None)
-server.rollout_mode = RolloutMode.STANDALONE
-server.replica_rank, server.node_rank, server.nnodes, server.base_gpu_id = 0, 1, 2, 0
-server._disaggregation_role = "null"
-asyncio.run(server.launch_server(master_address="127.0.0.1", master_port=29500))
-print(json.dumps({"server": os.getpid(), "children": [p.pid for p in multiprocessing.active_children()]}), flush=True)
-time.sleep(600)
-"""
+SERVER_MODULES = {  # verl 0.9.1's rollout servers: module, class, the f-string of its actor's name
+    "verl.workers.rollout.vllm_rollout.vllm_async_server": (
+        "vLLMHttpServer",
+        'f"{prefix}server_{self.replica_rank}_{node_rank}{self.name_suffix}"',
+    ),
+    "verl.workers.rollout.sglang_rollout.async_sglang_server": (
+        "SGLangHttpServer",
+        'f"sglang_server_{self.replica_rank}_{node_rank}{self.name_suffix}"',
+    ),
+    "verl.workers.rollout.trtllm_rollout.trtllm_async_server": (
+        "TRTLLMHttpServer",
+        'f"trtllm_server_{self.replica_rank}{self.name_suffix}"',
+    ),
+}
 
 
-def start_server(run_dir: Path) -> subprocess.Popen:
-    env = {k: v for k, v in os.environ.items() if k not in CLEARED}
-    source = str(Path(verl_sat.__file__).resolve().parents[1])
-    env["PYTHONPATH"] = os.pathsep.join([source, str(TESTS), *filter(None, [os.environ.get("PYTHONPATH")])])
-    env[RUN_DIR_ENV] = str(run_dir)
-    return subprocess.Popen(
-        [sys.executable, "-c", SERVER], env=env, cwd=run_dir, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+def test_verls_server_actors_have_the_class_and_names_the_supervisor_looks_for() -> None:
+    """Read from verl's source (importing it needs each engine): a server class or actor name
+    that verl renames fails here, not silently in a job that no longer notices a dead engine."""
+    for module, (cls, name) in SERVER_MODULES.items():
+        source = (VERL / module.removeprefix("verl.").replace(".", "/")).with_suffix(".py").read_text()
+        assert f"\nclass {cls}:" in source and cls.endswith(supervisor.SERVER_CLASS_SUFFIX), module
+        assert name in source, module
+
+
+@pytest.mark.parametrize(
+    ("ray_name", "name"),
+    [
+        ("vllm_server_3_0", "vllm3"),
+        ("sglang_server_0_1", "sglang0.node1"),
+        ("trtllm_server_2", "trtllm2"),
+        ("vllm_server_reward_0_0", "vllm_server_reward_0_0"),  # not a rollout replica's name: kept
+    ],
+)
+def test_a_server_actor_is_named_as_its_replica(ray_name: str, name: str) -> None:
+    actor = {"ActorID": "a1", "Name": ray_name, "Pid": 7, "here": False, "Address": {"IPAddress": "10.0.0.2"}}
+    entry = supervisor.server_entry(actor)
+    assert (entry["kind"], entry["name"], entry["pid"], entry["actor_id"], entry["host"]) == (
+        "rollout replica",
+        name,
+        7,
+        "a1",
+        "10.0.0.2",
     )
 
 
-def registered(run_dir: Path) -> dict[str, dict]:
-    folder = run_dir / PROCESSES_DIR
-    entries = [json.loads(p.read_text()) for p in folder.glob("*.json")] if folder.is_dir() else []
-    return {e["name"]: e for e in entries}
+# SGLang's scheduler process: titled as SGLang titles it, with a child process of its own.
+SCHEDULER = """
+import subprocess, setproctitle
+setproctitle.setproctitle("sglang::scheduler_TP0")
+subprocess.run(["sleep", "600"])
+"""
 
 
-def test_a_dead_sglang_scheduler_stops_the_job_with_exit_4(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+def sglang_server_class() -> type:
+    """Plays verl's server actor: its class name, and the processes SGLang starts in it (defined
+    here, so that Ray ships it by value)."""
+
+    class SGLangHttpServer:
+        def launch_server(self, helper_s: float) -> dict[str, int]:
+            import multiprocessing
+            import subprocess
+            import threading
+
+            helper = threading.Thread(target=subprocess.run, args=(["sleep", str(helper_s)],), daemon=True)
+            helper.start()  # exits by design, during start-up
+            self.scheduler = multiprocessing.get_context("spawn").Process(target=exec, args=(SCHEDULER,), daemon=True)
+            self.scheduler.start()
+            return {"server": os.getpid(), "scheduler": self.scheduler.pid}
+
+    return SGLangHttpServer
+
+
+def wait(predicate, seconds: float = 60.0):
+    deadline = time.monotonic() + seconds
+    while not (value := predicate()) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return value
+
+
+def test_a_dead_process_under_sglangs_server_stops_the_job_with_exit_4(tmp_path, monkeypatch, capsys) -> None:
+    """The helper that exits during start-up is not watched; once the rollout serves, the
+    scheduler's own child (two levels down) is killed: exit 4, one line naming it, in run.json.
+    Then, with a fresh supervisor, the server actor itself is killed: Ray's actor table says so."""
+    import psutil
+    import ray
+
     (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 1, "data": {}}) + "\n")
-    server = None
+    monkeypatch.setattr(supervisor, "SETTLE_S", 0.5)
+    ray.init(num_cpus=1, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
+    started: list[psutil.Process] = []  # killed on the way out
     try:
+        server = ray.remote(num_cpus=0)(sglang_server_class()).options(name="sglang_server_0_1").remote()
         with pytest.raises(SystemExit) as stopped:
-            with Supervisor(tmp_path, total_steps=8, interval=0.2):
-                server = start_server(tmp_path)
-                line = server.stdout.readline()
-                assert line, server.stderr.read()[-3000:]
-                pids = json.loads(line)
-                entries = registered(tmp_path)
-                assert entries["sglang0.node1"]["pid"] == pids["server"]
-                schedulers = [e for name, e in entries.items() if name.startswith("sglang0.node1.")]
-                assert [e["pid"] for e in schedulers] == pids["children"] and len(schedulers) == 1
-                os.kill(schedulers[0]["pid"], 9)
+            with Supervisor(tmp_path, total_steps=8, interval=0.2) as watcher:
+                pids = ray.get(server.launch_server.remote(helper_s=3))
+                scheduler = psutil.Process(pids["scheduler"])
+                started.append(scheduler)
+                helpers = lambda: [c for c in psutil.Process(pids["server"]).children() if c.name() == "sleep"]  # noqa: E731
+                assert wait(helpers)  # the helper runs, for longer than SETTLE_S
+                assert wait(lambda: not helpers())  # and is gone, unwatched
+                (tmp_path / "samples.jsonl").write_text(
+                    json.dumps({"event": "submitted", "step": 1, "prompts": []}) + "\n"
+                )  # serving
+                grandchild = wait(lambda: scheduler.children())[0]
+                started.append(grandchild)
+                names = lambda: sorted(e["name"] for e in watcher.engine_processes.values())  # noqa: E731
+                expected = {"sglang0.node1.scheduler_TP0", "sglang0.node1.sleep"}  # and spawn's resource tracker
+                assert wait(lambda: expected <= set(names())), names()
+                os.kill(grandchild.pid, signal.SIGKILL)
                 for _ in range(600):  # the supervisor interrupts this wait (between two short sleeps)
                     time.sleep(0.1)
         assert stopped.value.code == EXIT_PROCESS_DIED
+        fault = json.loads((tmp_path / "run.json").read_text())["fault"]
+        assert (fault["kind"], fault["name"], fault["pid"], fault["step"]) == (
+            "rollout replica",
+            "sglang0.node1.sleep",
+            grandchild.pid,
+            2,
+        )
+        lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("[verl-sat] error:")]
+        assert len(lines) == 1 and "rollout replica sglang0.node1.sleep" in lines[0] and "exit 4" in lines[0]
+
+        fresh = Supervisor(tmp_path, total_steps=8)  # started after samples.jsonl: not serving
+        assert fresh.check() is None
+        ray.kill(server)
+        failure = wait(fresh.check)
+        assert failure is not None and (failure["name"], failure["pid"]) == ("sglang0.node1", pids["server"])
     finally:
-        if server is not None:
-            for pid in pids.get("children", []) if "pids" in locals() else []:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, 9)
-            server.kill()
-            server.wait()
-    fault = json.loads((tmp_path / "run.json").read_text())["fault"]
-    assert fault["name"] == schedulers[0]["name"] and fault["kind"] == "rollout replica" and fault["step"] == 2
-    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("[verl-sat] error:")]
-    assert len(lines) == 1 and f"rollout replica {fault['name']}" in lines[0] and "exit 4" in lines[0]
+        ray.shutdown()
+        for process in started:
+            with contextlib.suppress(psutil.Error):
+                process.kill()

@@ -93,40 +93,6 @@ def test_a_dead_actor_is_found_through_ray_whatever_node_it_ran_on(tmp_path, mon
     assert watcher.check() is None  # without Ray's answer, a pid on another host is not judged
 
 
-def _role_in_child(queue) -> None:
-    queue.put(processes.vllm_role())
-
-
-def test_vllm_processes_are_told_apart_from_its_helpers(tmp_path, monkeypatch):
-    """The plugin registers verl's vLLM server actor and its engine core, never a vLLM helper
-    (the model-inspection subprocess) that exits by design, nor a process outside verl's server."""
-    import multiprocessing
-    import types
-
-    monkeypatch.delenv("VERL_REPLICA_RANK", raising=False)
-    monkeypatch.setitem(sys.modules, "ray", types.SimpleNamespace(is_initialized=lambda: True))
-    assert processes.vllm_role() is None  # not in verl's vLLMHttpServer
-    monkeypatch.setenv("VERL_REPLICA_RANK", "3")
-    assert processes.vllm_role() == "server"  # the Ray actor itself
-    monkeypatch.setitem(sys.modules, "ray", types.SimpleNamespace(is_initialized=lambda: False))
-    assert processes.vllm_role() is None  # a plain subprocess: vLLM's inspection helper
-    context = multiprocessing.get_context("fork")
-    queue = context.Queue()
-    for name, expected in (("EngineCore", "EngineCore"), ("SomeHelper", None)):
-        child = context.Process(target=_role_in_child, args=(queue,), name=name)
-        child.start()
-        assert queue.get(timeout=30) == expected
-        child.join()
-    context = types.SimpleNamespace(get_actor_id=lambda: "a1")
-    ray = types.SimpleNamespace(is_initialized=lambda: True, get_runtime_context=lambda: context)
-    monkeypatch.setitem(sys.modules, "ray", ray)
-    monkeypatch.setenv(RUN_DIR_ENV, str(tmp_path))
-    processes.register_vllm_process()
-    (entry,) = [json.loads(p.read_text()) for p in (tmp_path / "processes").glob("*.json")]
-    assert entry["name"] == "vllm3" and entry["kind"] == "rollout replica" and entry["pid"] == os.getpid()
-    assert entry["actor_id"] == "a1"  # the server actor: watched through Ray on any node
-
-
 STUCK_DRIVER = """
 import os, subprocess, sys, time
 from pathlib import Path

@@ -12,11 +12,7 @@ import verl_sat.verl_fixes
 # below can keep them from being installed (verl swallows a plugin's errors).
 verl_sat.verl_fixes.install()
 
-import verl_sat.processes  # noqa: E402
 import verl_sat.sat.losses  # noqa: E402, F401  (registers "sat" and "sat_gspo")
-
-# A dead SGLang server, scheduler or detokenizer ends the job (exit 4), as a vLLM or HF one does.
-verl_sat.processes.watch_sglang_servers()
 
 
 def _register_cpu_and_rollout() -> None:

@@ -3,13 +3,15 @@
 verl 0.9.1 does not notice a rollout server that dies: each request to it fails, the replay
 buffer evicts the failed group and refills it with a fresh prompt, which fails again, and the
 trainer waits for samples that never come. A trainer worker that dies mid-step surfaces as an
-exception only once verl next calls it. So the rollout servers, their engine processes and the
-verl-sat actor workers register themselves in ``<run_dir>/processes/`` (``verl_sat.processes``),
-and the driver (``verl_sat.main``) runs a ``Supervisor`` thread that checks them once a second:
-a Ray actor through Ray's GCS (``ray._private.state.actors``: the actor table of every node; it
-needs no dashboard, unlike ``ray.util.state``, whose queries go through the dashboard's API
-server), any other process (an engine's child: SGLang's scheduler, vLLM's engine core) with
-psutil, on this node.
+exception only once verl next calls it. So the driver (``verl_sat.main``) runs a ``Supervisor``
+thread that checks, once a second, the HF rollout servers and verl-sat actor workers (registered
+in ``<run_dir>/processes/``, ``verl_sat.processes``), verl's own rollout server actors (this job's
+actors of class ``*HttpServer``: vLLM's, SGLang's) and, once the rollout serves, the processes
+under any rollout server (an engine's children: vLLM's engine core, SGLang's scheduler), once they
+have lived ``SETTLE_S`` (so never a helper that exits by design, such as vLLM's start-up model
+inspection). A Ray actor is checked through Ray's GCS (``ray._private.state.actors``: the actor
+table of every node; it needs no dashboard, unlike ``ray.util.state``, whose queries go through
+the dashboard's API server), any other process with psutil, on this node.
 
 When one is gone, the supervisor prints one error line naming the process, the global step in
 progress and what was lost, records it in ``run.json`` (``fault``), and interrupts the driver,
@@ -26,6 +28,7 @@ from __future__ import annotations
 import _thread
 import json
 import os
+import re
 import signal
 import socket
 import sys
@@ -40,11 +43,15 @@ from verl_sat.processes import PROCESSES_DIR
 
 EXIT_PROCESS_DIED = 4
 GRACE_S = 20.0
+SETTLE_S = 5.0
+SERVER_CLASS_SUFFIX = "HttpServer"  # verl 0.9.1's vLLMHttpServer, SGLangHttpServer, TRTLLMHttpServer
+# verl's server actor names: "<engine>_server_<replica>_<node>" (vLLM, SGLang), "trtllm_server_<replica>"
+SERVER_NAME = re.compile(r"(?P<engine>[a-z]+)_server_(?P<replica>\d+)(?:_(?P<node>\d+))?")
 
 
-def dead_actors() -> set[str] | None:
-    """Ids of this job's dead actors, on every node, from Ray's GCS; None when this process is
-    not connected to Ray (before verl's ``ray.init``, after its shutdown)."""
+def job_actors() -> list[dict[str, Any]] | None:
+    """This job's actors, on every node, from Ray's GCS (its actor-table entries, ``here``: on this
+    node); None when this process is not connected to Ray (before verl's ``ray.init``, after its shutdown)."""
     import ray
 
     if not ray.is_initialized():
@@ -52,14 +59,39 @@ def dead_actors() -> set[str] | None:
     from ray._private import state
 
     try:
-        job = ray.JobID.from_hex(ray.get_runtime_context().get_job_id())
-        return set(state.actors(job_id=job, actor_state_name="DEAD"))
+        actors = state.actors(job_id=ray.JobID.from_hex(ray.get_runtime_context().get_job_id()))
+        here = ray.get_runtime_context().get_node_id()
     except Exception:  # Ray shutting down under us
         return None
+    return [{**actor, "here": actor["Address"]["NodeID"] == here} for actor in actors.values()]
+
+
+def server_entry(actor: dict[str, Any]) -> dict[str, Any]:
+    """verl's rollout server actor ``<engine>_server_<r>_<k>`` as rollout replica ``<engine><r>``
+    (``<engine><r>.node<k>`` on a replica's node k > 0); another name is kept as it is."""
+    match = SERVER_NAME.fullmatch(actor["Name"])
+    name = match and match["engine"] + match["replica"] + (f".node{match['node']}" if int(match["node"] or 0) else "")
+    host = socket.gethostname() if actor["here"] else actor["Address"]["IPAddress"]
+    entry = {"kind": "rollout replica", "name": name or actor["Name"], "pid": int(actor["Pid"]), "host": host}
+    return {**entry, "actor_id": actor["ActorID"]}
+
+
+def descendants(server: dict[str, Any]) -> list[dict[str, Any]]:
+    """The processes under rollout replica ``server`` on this host, at any depth, that have lived
+    ``SETTLE_S``, as rollout replicas ``<server>.<title>`` (``VLLM::EngineCore``: ``EngineCore``)."""
+    found = []
+    try:
+        for child in psutil.Process(int(server["pid"])).children(recursive=True):
+            if time.time() - child.create_time() >= SETTLE_S:
+                name = f"{server['name']}.{child.name().split('::')[-1]}"
+                found.append({**server, "name": name, "pid": child.pid, "actor_id": None})
+    except psutil.Error:  # a process gone meanwhile: judged at the next check
+        pass
+    return found
 
 
 def is_dead(entry: dict[str, Any], dead: set[str] | None) -> bool:
-    """A registered process is gone: its actor is DEAD (any node), or its pid on this host is gone
+    """A watched process is gone: its actor is DEAD (any node), or its pid on this host is gone
     or a zombie (psutil). Both are asked: the driver can learn of a killed worker (Ray's
     ``ActorDiedError``) before the GCS lists its actor as DEAD."""
     if entry.get("actor_id") and dead is not None and entry["actor_id"] in dead:
@@ -94,7 +126,7 @@ def in_flight(run_dir: Path) -> int:
 
 
 class Supervisor(threading.Thread):
-    """Checks the registered processes of the job every ``interval`` seconds (module docstring)."""
+    """Checks the watched processes of the job every ``interval`` seconds (module docstring)."""
 
     def __init__(
         self, run_dir: Path, total_steps: int | None = None, interval: float = 1.0, out: TextIO | None = None
@@ -105,6 +137,7 @@ class Supervisor(threading.Thread):
         self.lock = threading.Lock()  # no interrupt of the driver once __exit__ has stopped the checks
         self.failure: dict[str, Any] | None = None
         self.started_at = time.time()
+        self.engine_processes: dict[int, dict[str, Any]] = {}  # pid -> the process under a rollout server
 
     def processes(self) -> list[dict[str, Any]]:
         folder = self.run_dir / PROCESSES_DIR
@@ -127,12 +160,28 @@ class Supervisor(threading.Thread):
             return True
         return "final_step" in ((read_sentinel_record(self.run_dir) or {}).get("verdict") or {})
 
+    def watched(self, actors: list[dict[str, Any]] | None) -> list[dict[str, Any]]:
+        """The registered processes, verl's rollout server actors and, once the rollout serves (this
+        run has written ``samples.jsonl``), the processes under them, remembered once seen."""
+        servers = [a for a in actors or [] if a["ActorClassName"].endswith(SERVER_CLASS_SUFFIX) and a["Pid"]]
+        entries = self.processes() + [server_entry(actor) for actor in servers]
+        try:
+            serving = (self.run_dir / "samples.jsonl").stat().st_mtime >= self.started_at
+        except OSError:  # not written yet
+            serving = False
+        if serving:
+            for server in entries:
+                if server["kind"] == "rollout replica" and server["host"] == socket.gethostname():
+                    self.engine_processes.update((e["pid"], e) for e in descendants(server))
+        return entries + list(self.engine_processes.values())
+
     def check(self) -> dict[str, Any] | None:
-        """The first registered process of this job that is gone, with what was lost; else None."""
+        """The first watched process of this job that is gone, with what was lost; else None."""
         if self.finished():
             return None
-        dead = dead_actors()
-        for entry in self.processes():
+        actors = job_actors()
+        dead = None if actors is None else {a["ActorID"] for a in actors if a["State"] == "DEAD"}
+        for entry in self.watched(actors):
             if is_dead(entry, dead):
                 step = last_step(self.run_dir) + 1
                 return {**entry, "step": step, "in_flight_prompts": in_flight(self.run_dir)}
@@ -191,7 +240,7 @@ class Supervisor(threading.Thread):
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> bool:
         """The driver often learns of a dead worker first (Ray's ``ActorDiedError`` from the call
         in flight), before the next once-a-second check: an exception is checked against the
-        registered processes once more, so the job still exits ``EXIT_PROCESS_DIED``."""
+        watched processes once more, so the job still exits ``EXIT_PROCESS_DIED``."""
         try:
             with self.lock:
                 self.stop()
