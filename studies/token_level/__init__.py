@@ -1,0 +1,1 @@
+"""SAT-GRPO against GRPO at the token level, diagnosed (issue 46, part 2c)."""
