@@ -10,9 +10,11 @@ from verl_sat.cpu import platform
 
 def register() -> None:
     """:func:`verl_sat.cpu.platform.register`; with ``VERL_PLATFORM=cpu``, also the Megatron patches
-    (``verl_sat.cpu.megatron``: post-import hooks, nothing is imported unless verl's Megatron engine is used)."""
+    (``verl_sat.cpu.megatron``: post-import hooks, nothing is imported unless verl's Megatron engine is used)
+    and, where SGLang is installed, SGLang's (``verl_sat.cpu.sglang``)."""
     platform.register()
     if platform.is_selected():
-        from verl_sat.cpu import megatron
+        from verl_sat.cpu import megatron, sglang
 
         megatron.install()
+        sglang.install()
