@@ -15,6 +15,11 @@ the second (with the first again) is ``extended`` (tests/README.md):
 2. the same run resumed from that checkpoint to step 4 with routing replay off: one metrics row
    per step, 1-2 kept; the trainer now routes on its own, so under the same noise dbar_pi stays
    above 0.1 and no routing metric is logged (the contrast that shows the replay did the work).
+   The resumed actor records its optimizer right after the load (``tests/optimizer_dump.py``,
+   through ``sat.actor_class``): Adam's step and the sampled moments equal the checkpoint's files.
+
+After launch 1 the checkpoint's optimizer files hold Adam's step and the lr scheduler's step, both
+the number of optimizer steps taken (``tests/optimizer_state.py`` reads them; a few seconds).
 
 Every step: SAT's metrics, staleness <= 2, and the step's q gating about 1 - alpha of the step's
 tokens although each micro-batch holds one response (the check that caught the starved gate on
@@ -23,9 +28,13 @@ FSDP). metrics.jsonl holds one row per step across both attempts.
 
 from __future__ import annotations
 
+import json
+import os
 from pathlib import Path
 
 import pytest
+from optimizer_dump import DUMP_ENV
+from optimizer_state import saved_moments, saved_state
 from test_main_e2e import check_sat_run, run_main, step_gate_rate
 
 pytestmark = pytest.mark.e2e
@@ -38,6 +47,9 @@ JOB = (
 )
 R3_CEILING = 0.05  # as on FSDP (tests/test_routing_replay_e2e.py)
 ROUTING = "actor/routing_replay/"
+# Optimizer steps by global step 2: sat.lag=2 makes each global step two mini-batches
+# (data.train_batch_size = 2 x ppo_mini_batch_size, verl_sat.trainer.recipe), one optimizer step each.
+OPTIMIZER_STEPS_AT_2 = 4
 
 
 def mean_mismatch(rows: list[dict]) -> float:
@@ -68,6 +80,9 @@ def megatron_r3_launch(assets: Path, run_dir: Path) -> list[dict]:
     checkpoints = run_dir / "checkpoints"
     assert (checkpoints / "latest_checkpointed_iteration.txt").read_text().strip() == "2"
     assert any((checkpoints / "global_step_2" / "actor").iterdir())  # Megatron's checkpoint format
+    saved = saved_state(checkpoints / "global_step_2" / "actor")
+    assert {g["step"] for g in saved["param_groups"]} == {OPTIMIZER_STEPS_AT_2}  # Adam's step
+    assert saved["lr_scheduler_num_steps"] == OPTIMIZER_STEPS_AT_2
     return first
 
 
@@ -75,12 +90,33 @@ def test_megatron_replays_routes_through_verls_router_replay(assets, tmp_path: P
     megatron_r3_launch(assets, tmp_path / "r3")
 
 
+def check_resumed_optimizer(actor_dir: Path, dump: Path) -> None:
+    """The resumed actor's optimizer, right after verl's load, against the checkpoint's files."""
+    saved, loaded = saved_state(actor_dir), json.loads(dump.read_text())
+    assert loaded["local_path"] == str(actor_dir)
+    for chained in loaded["chained"]:
+        assert chained["steps"] == [OPTIMIZER_STEPS_AT_2]  # Adam's step (megatron-core alone: 0)
+        assert chained["group_steps"] == [OPTIMIZER_STEPS_AT_2]
+        assert chained["lr"] == [g["lr"] for g in saved["param_groups"]]
+        assert chained["moments"] and saved_moments(saved, chained["moments"]) == chained["moments"]
+    # verl's default (optim.use_checkpoint_opt_param_scheduler=false) does not load the scheduler:
+    # its count restarts; the paper's lr is constant, so the rate is the saved one (docs/faults.md)
+    assert loaded["lr_scheduler_num_steps"] == 0
+
+
 @pytest.mark.extended  # tests/README.md: left out of the default run for CI time
-def test_megatron_resumes_from_its_checkpoint_and_routes_on_its_own_without_replay(assets, tmp_path: Path):
+def test_megatron_resumes_from_its_checkpoint_and_routes_on_its_own_without_replay(
+    assets, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
     run_dir = tmp_path / "r3"
     first = megatron_r3_launch(assets, run_dir)
-    rows, stdout = run_main(assets, run_dir, *JOB, "sat.routing_replay=disabled", steps=4)
+    tests = str(Path(__file__).resolve().parent)  # optimizer_dump, for the driver and (inherited) every worker
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([tests, *filter(None, [os.environ.get("PYTHONPATH")])]))
+    monkeypatch.setenv(DUMP_ENV, str(tmp_path / "optimizer"))
+    dump_actor = "sat.actor_class=optimizer_dump.OptimizerDumpActor"
+    rows, stdout = run_main(assets, run_dir, *JOB, "sat.routing_replay=disabled", dump_actor, steps=4)
     assert "resuming from the checkpoint of step 2" in stdout
+    check_resumed_optimizer(run_dir / "checkpoints" / "global_step_2" / "actor", tmp_path / "optimizer.rank0.json")
     assert [r["step"] for r in rows] == [1, 2, 3, 4] and rows[:2] == first  # one row per step, 1-2 kept
     plain = rows[2:]
     check_megatron_steps(plain)

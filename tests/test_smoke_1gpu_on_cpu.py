@@ -20,11 +20,10 @@ import pandas as pd
 import pytest
 from omegaconf import DictConfig, OmegaConf
 
-from verl_sat.default import smoke
-
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "recipes/sat_paper"))  # the smoke's scripts, run by path
 import gpu_env  # noqa: E402
+import smoke  # noqa: E402
 import stages  # noqa: E402
 
 SCRIPT = REPO / "recipes/sat_paper/smoke_1gpu.sh"
@@ -79,7 +78,7 @@ def test_stages_in_order(commands: tuple[Path, list[list[str]]]) -> None:
     assert [o for o in b if "total_training_steps" not in o] == [o for o in c if "total_training_steps" not in o]
     assert f"sat.run_dir={tmp / 'run'}" in b
     assert a[-1] == b[-1] == c[-1] == "trainer.logger=[console,file]"  # the user's overrides reach all
-    assert check[1:4] == ["-m", "verl_sat.default.smoke", "check"]
+    assert check[1:3] == [str(REPO / "recipes/sat_paper/smoke.py"), "check"]
     assert check[check.index("--run-dir") + 1] == str(tmp / "run")
 
 
@@ -393,7 +392,9 @@ def good_row(step: int) -> dict:
     }
 
 
-def test_check_passes_a_resumed_run_and_names_each_failure(tmp_path: Path) -> None:
+def test_check_passes_a_resumed_run_and_names_each_failure(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    adam = {"global_step_2": 4, "global_step_3": 6}  # two optimizer steps per global step, kept across the resume
+    monkeypatch.setattr(smoke, "adam_step", lambda actor_dir: adam[Path(actor_dir).parent.name])
     write_run(tmp_path / "ok", [good_row(1), good_row(2)], [good_row(3)], latest=3)
     assert smoke.check(tmp_path / "ok", lag=2, steps=2, resumed_steps=1) == []
     evicting = good_row(3) | {"training/off_policy/evicted_samples": 1.0}
@@ -402,3 +403,34 @@ def test_check_passes_a_resumed_run_and_names_each_failure(tmp_path: Path) -> No
     assert any("expected [3] (a resume)" in f for f in failures)
     assert any("latest_checkpointed_iteration.txt" in f for f in failures)
     assert any("groups evicted" in f and "off_policy" in f for f in failures)
+
+
+def test_check_names_a_resume_that_restarted_adam(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """megatron-core's own load of the offloaded optimizer resumes Adam at step 1 (docs/faults.md):
+    step 3's checkpoint then holds 1 + 2, not 4 + 2."""
+    write_run(tmp_path, [good_row(1), good_row(2)], [good_row(3)], latest=3)
+    adam = {"global_step_2": 4, "global_step_3": 3}
+    monkeypatch.setattr(smoke, "adam_step", lambda actor_dir: adam[Path(actor_dir).parent.name])
+    assert smoke.check(tmp_path, lag=2, steps=2, resumed_steps=1) == [
+        "resume: Adam step 3 after resume (global_step_3), expected 6: saved 4 at global_step_2, 2 per global step"
+    ]
+    monkeypatch.undo()  # the real reader: no optimizer files in this run directory
+    (failure,) = smoke.check(tmp_path, lag=2, steps=2, resumed_steps=1)
+    assert failure.startswith("resume: cannot read Adam's step:") and "global_step_2" in failure
+
+
+def test_check_prints_the_named_line_and_fails(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    """``smoke.py check``'s command line, as the script's check stage runs it (in this process)."""
+    write_run(tmp_path, [good_row(1), good_row(2)], [good_row(3)], latest=3)
+    adam = {"global_step_2": 4, "global_step_3": 1}
+    monkeypatch.setattr(smoke, "adam_step", lambda actor_dir: adam[Path(actor_dir).parent.name])
+    argv = ["smoke.py", "check", "--run-dir", str(tmp_path), "--lag", "2", "--steps", "2", "--resumed-steps", "1"]
+    monkeypatch.setattr(sys, "argv", argv)
+    with pytest.raises(SystemExit, match="1"):
+        smoke.main()
+    assert capsys.readouterr().out.splitlines() == [
+        "[verl-sat] smoke: FAIL resume: Adam step 1 after resume (global_step_3), expected 6: "
+        "saved 4 at global_step_2, 2 per global step"
+    ]

@@ -25,6 +25,9 @@ bug, named after the bug and the verl version it was read in. CPU-only fixes sta
   agent loop refills its group, and the job hangs. The fix decodes the string where verl receives
   it (the server's tokenizer manager) into the ``[tokens, layers, top_k]`` int32 tensor verl's
   ``.numpy()`` expects (``true``), or gives verl's import the module it looks for (``false``).
+- ``verl_sat.trainer.faults.megatron_adam_step_on_resume``: megatron-core's distributed optimizer,
+  loaded the way verl's Megatron checkpoint manager loads it (``dp_reshardable``), resumes Adam at
+  a stale step (docs/faults.md#kill-and-resume).
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ from typing import Any
 import numpy as np
 
 from verl_sat.hooks import when_imported, wrap_once
+from verl_sat.trainer.faults import megatron_adam_step_on_resume
 
 SEPARATE_ASYNC_LOGGER = "verl.trainer.ppo.v1.trainer_separate_async"
 SGLANG_HTTP_ENGINE_LOGGER = "verl.workers.rollout.sglang_rollout.http_server_engine"
@@ -183,6 +187,7 @@ FIXES = (
     separate_async_logger_flush_kwarg_0_9_1,
     sglang_launch_logger_flush_kwarg_0_9_1,
     sglang_routed_experts_base64_0_9_1_sglang_0_5_12,
+    megatron_adam_step_on_resume,
 )
 
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The paper's pipeline on ONE GPU, as a smoke test run in stages: SAT-GSPO + R3, Megatron
 # training, SGLang rollout, verl's separate_async trainer at lag 2 (sat.lag=2: two optimizer steps
-# per weight broadcast), on a tiny Qwen3-MoE built here (verl_sat/default/smoke.py). It checks the
+# per weight broadcast), on a tiny Qwen3-MoE built here (recipes/sat_paper/smoke.py). It checks the
 # wiring, not any number (random weights: the reward is about 0). Meant to take under 8 minutes
 # on one H200; it has NOT been run yet (no GPU was at hand; docs/reproduce.md).
 #
@@ -20,7 +20,9 @@
 #   no_offload  1 global step with the optimizer on the GPU (${RUN_DIR}/no_offload)
 #   offload     2 global steps with the recipe's CPU-offloaded optimizer, a checkpoint after each
 #   resume      a second invocation in the same run directory: resumes at step 2, trains step 3
-#   check       the run directory (verl_sat/default/smoke.py check)
+#   check       the run directory (recipes/sat_paper/smoke.py check), Adam's step across the resume
+#               included: "[verl-sat] smoke: FAIL resume: Adam step <n> after resume ..." when the
+#               resumed optimizer did not go on from the saved step
 #
 # One GPU, two Ray "GPU" slots (trainer + standalone rollout): the driver runs with
 # CUDA_VISIBLE_DEVICES unset, ray_init.num_gpus=2, and every Ray worker gets
@@ -120,7 +122,7 @@ stage env "${PYTHON}" "${REPO_ROOT}/recipes/sat_paper/gpu_env.py" --gpu "${GPU}"
 echo "[smoke] two Ray GPU slots on GPU ${GPU}: mode ${SLOT_MODE} (${SLOT_OVERRIDES[*]})" >&2
 
 [[ -n ${DRY_RUN:-} || -f ${ASSETS_DIR}/model/config.json ]] ||
-    stage assets "${PYTHON}" -m verl_sat.default.smoke build --out "${ASSETS_DIR}"
+    stage assets "${PYTHON}" "${REPO_ROOT}/recipes/sat_paper/smoke.py" build --out "${ASSETS_DIR}"
 
 OFFLOAD_OFF=actor_rollout_ref.actor.optim.override_optimizer_config.optimizer_cpu_offload=false
 launch "${RUN_DIR}/no_offload" 1 "${OFFLOAD_OFF}" trainer.test_freq=-1 trainer.save_freq=-1 "$@"
@@ -129,6 +131,6 @@ launch "${RUN_DIR}" "${STEPS}" trainer.test_freq=${STEPS} trainer.save_freq=1 "$
 stage offload "${LAUNCH[@]}"
 launch "${RUN_DIR}" "$((STEPS + RESUMED_STEPS))" trainer.test_freq=${STEPS} trainer.save_freq=1 "$@"
 stage resume "${LAUNCH[@]}"
-stage check "${PYTHON}" -m verl_sat.default.smoke check \
+stage check "${PYTHON}" "${REPO_ROOT}/recipes/sat_paper/smoke.py" check \
     --run-dir "${RUN_DIR}" --lag ${LAG} --steps ${STEPS} --resumed-steps ${RESUMED_STEPS}
 [[ -n ${DRY_RUN:-} ]] || echo "[smoke] all stages passed in ${SECONDS} s; summary: ${SUMMARY}"

@@ -6,16 +6,22 @@ synthetic arithmetic task (``verl_sat.default.data``) as verl parquet. Random we
 is about 0, so the smoke checks the pipeline, not learning.
 
 ``check``: after the script's two invocations (steps 1-2, then a resume for step 3), that both
-wrote their steps, that the second resumed from the first's checkpoint, and that the step metrics
-hold what the recipe promises (SAT loss active, staleness within the lag, nothing evicted).
+wrote their steps, that the second resumed from the first's checkpoint, that the step metrics
+hold what the recipe promises (SAT loss active, staleness within the lag, nothing evicted), and
+that the resume kept Adam's step: the checkpoint of step 3 holds the step of step 2's checkpoint
+plus step 3's optimizer steps (a resume that restarts Adam, as megatron-core's own load of the
+offloaded optimizer does, fails with ``resume: Adam step ...``; docs/faults.md#kill-and-resume).
 
-    python -m verl_sat.default.smoke build --out DIR
-    python -m verl_sat.default.smoke check --run-dir DIR --lag 2 --steps 2 --resumed-steps 1
+Run by path, as ``smoke_1gpu.sh`` runs it (it is not part of the installed package)::
+
+    python recipes/sat_paper/smoke.py build --out DIR
+    python recipes/sat_paper/smoke.py check --run-dir DIR --lag 2 --steps 2 --resumed-steps 1
 """
 
 from __future__ import annotations
 
 import argparse
+import io
 import json
 from pathlib import Path
 from typing import Any
@@ -69,6 +75,68 @@ def build(out_dir: str | Path, seed: int = 0) -> dict[str, str]:
     return {"model": str(out / "model"), "train": str(train), "val": str(val)}
 
 
+def saved_optimizer(actor_dir: str | Path, tensors: bool = False) -> dict[str, Any]:
+    """The optimizer in verl's Megatron checkpoint ``actor_dir`` (``global_step_k/actor``): the lr
+    scheduler's ``num_steps``, every param group (with Adam's ``step``) and, with ``tensors``, the
+    state tensors by key. megatron writes ``optimizer/dist_ckpt`` in torch_dist format: the param
+    groups are pickled objects (``dp_reshardable``, verl's default) or sit in ``common.pt``."""
+    import torch
+    from torch.distributed.checkpoint import FileSystemReader, load
+
+    ckpt = Path(actor_dir) / "optimizer" / "dist_ckpt"
+    common = torch.load(ckpt / "common.pt", weights_only=False)
+    reader = FileSystemReader(str(ckpt))
+    request: dict[str, Any] = {}
+    for key, meta in reader.read_metadata().state_dict_metadata.items():
+        if type(meta).__name__ == "BytesStorageMetadata":  # a pickled object
+            request[key] = io.BytesIO()
+        elif tensors:
+            request[key] = torch.empty(meta.size, dtype=meta.properties.dtype)
+    load(request, storage_reader=reader, no_dist=True)  # objects come back unpickled, in place
+    return {
+        "lr_scheduler_num_steps": (common.get("lr_scheduler") or {}).get("num_steps"),
+        "param_groups": [g for value in (common, *request.values()) for g in _param_groups(value)],
+        "tensors": {k: v for k, v in request.items() if isinstance(v, torch.Tensor)},
+    }
+
+
+def _param_groups(value: Any) -> list[dict]:
+    """Every optimizer param group inside ``value`` (nested dicts and lists)."""
+    if isinstance(value, dict):
+        own = list(value["param_groups"]) if isinstance(value.get("param_groups"), list) else []
+        return own + [g for k, v in value.items() if k != "param_groups" for g in _param_groups(v)]
+    if isinstance(value, list):
+        return [g for v in value for g in _param_groups(v)]
+    return []
+
+
+def adam_step(actor_dir: str | Path) -> int:
+    """Adam's step in the checkpoint ``actor_dir``: the one ``step`` its param groups hold."""
+    steps = {g["step"] for g in saved_optimizer(actor_dir)["param_groups"] if g.get("step") is not None}
+    if len(steps) != 1:
+        raise ValueError(f"{actor_dir}: expected one Adam step in the optimizer's param groups, found {sorted(steps)}")
+    return int(steps.pop())
+
+
+def check_adam_step(run_dir: str | Path, steps: int, resumed_steps: int) -> list[str]:
+    """The resume kept Adam's step: step ``steps + resumed_steps``'s checkpoint holds step ``steps``'s
+    step plus as many optimizer steps per global step as the first invocation took."""
+    checkpoints = Path(run_dir) / "checkpoints"
+    before_dir, after_dir = (checkpoints / f"global_step_{k}" / "actor" for k in (steps, steps + resumed_steps))
+    try:
+        before, after = adam_step(before_dir), adam_step(after_dir)
+    except (OSError, ValueError, RuntimeError) as error:
+        return [f"resume: cannot read Adam's step: {error}"]
+    per_step, remainder = divmod(before, steps)
+    expected = before + per_step * resumed_steps
+    if remainder or after != expected:
+        return [
+            f"resume: Adam step {after} after resume (global_step_{steps + resumed_steps}), expected {expected}: "
+            f"saved {before} at global_step_{steps}, {before / steps:g} per global step"
+        ]
+    return []
+
+
 def check(run_dir: str | Path, lag: int, steps: int, resumed_steps: int) -> list[str]:
     """What the smoke must show; returns the failures (empty: passed), one line each."""
     run = Path(run_dir)
@@ -94,7 +162,7 @@ def check(run_dir: str | Path, lag: int, steps: int, resumed_steps: int) -> list
         evicted = {k: v for k, v in row.items() if k.startswith(EVICTION_PREFIXES) and k.endswith("_samples") and v}
         if evicted:
             failures.append(f"{where}: groups evicted: {evicted}")
-    return failures
+    return failures + check_adam_step(run, steps, resumed_steps)
 
 
 def main() -> None:
