@@ -21,6 +21,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from verl_sat.files import read_jsonl
+
 QUESTION_KEYS = ("question", "problem", "Problem", "Question")
 ANSWER_KEYS = ("answer", "Answer", "solution", "Solution")
 ID_KEYS = ("id", "ID", "problem_id", "idx")
@@ -85,19 +87,6 @@ def problem_from_row(row: Mapping[str, Any], index: int, where: str) -> Problem:
     )
 
 
-def _read_jsonl(path: Path) -> list[dict[str, Any]]:
-    rows = []
-    with path.open(encoding="utf-8") as fh:
-        for lineno, line in enumerate(fh, start=1):
-            if not line.strip():
-                continue
-            try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"{path}: line {lineno} is not valid JSON ({exc.msg})") from exc
-    return rows
-
-
 def _read_rows(path: Path) -> list[dict[str, Any]]:
     """Rows of a JSONL, JSON (list of objects) or parquet file."""
     if path.suffix == ".parquet":
@@ -109,7 +98,7 @@ def _read_rows(path: Path) -> list[dict[str, Any]]:
         if not isinstance(data, list):
             raise ValueError(f"{path}: a .json dataset must be a list of objects, got {type(data).__name__}")
         return data
-    return _read_jsonl(path)
+    return read_jsonl(path, strict=True)
 
 
 def is_path_like(source: str) -> bool:
@@ -118,11 +107,9 @@ def is_path_like(source: str) -> bool:
 
 
 def _load_hub(dataset_id: str, split: str, subset: str | None) -> list[dict[str, Any]]:
-    """Rows of a hub dataset (needs the ``datasets`` package and network access)."""
-    try:
-        import datasets
-    except ImportError as exc:
-        raise ImportError(f"loading the hub dataset {dataset_id!r} needs the 'datasets' package") from exc
+    """Rows of a hub dataset (network access; ``datasets`` is one of verl's requirements)."""
+    import datasets
+
     dataset = datasets.load_dataset(dataset_id, subset, split=split)
     return [dict(row) for row in dataset]
 

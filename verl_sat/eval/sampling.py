@@ -14,7 +14,6 @@ settings) once every sample is drawn; ``resume=True`` draws only the missing one
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from collections.abc import Mapping, Sequence
@@ -30,6 +29,7 @@ from verl_sat.eval.metrics import avg_at_k, pass_at_k, pass_at_k_per_problem
 from verl_sat.eval.server import ContextLengthError, ServerBackend, ServerError
 from verl_sat.eval.store import SAMPLES, ResumeRefused, SampleLog, UnfinishedEvaluation, eval_settings
 from verl_sat.eval.verify import compute_score, extract_answer
+from verl_sat.files import append_jsonl
 
 DEFAULT_DATASET = "HuggingFaceH4/aime_2024"
 
@@ -182,10 +182,8 @@ def append_metrics(path: str | Path, step: int, summary: Mapping[str, Any]) -> d
         f"eval/{dataset}/avg@{k}": summary[f"avg@{k}"],
         f"eval/{dataset}/pass@{k}": summary[f"pass@{k}"],
     }
-    target = Path(path)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with target.open("a", encoding="utf-8") as fh:
-        fh.write(json.dumps(line) + "\n")
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    append_jsonl(Path(path), [line])
     return line
 
 
