@@ -109,9 +109,10 @@ class TokenLoop(StudyLoop):
 
         cfg = self.cfg
         mu = self._batch.rollout_log_prob
+        step = (old, log_prob, advantages, mask, agg)
         with loss_context(rollout_log_prob=mu, whole_step=True):
-            g_base = instrument.token_gradient(compute_policy_loss_sat, old, log_prob, advantages, mask, agg, self.base_config)
-            g_sat = instrument.token_gradient(compute_policy_loss_sat, old, log_prob, advantages, mask, agg, self.sat_config)
+            g_base = instrument.token_gradient(compute_policy_loss_sat, *step, self.base_config)
+            g_sat = instrument.token_gradient(compute_policy_loss_sat, *step, self.sat_config)
         delta = g_base - g_sat
         d = staleness_score("token", log_prob, mu, mask)
         f = sat_factors(d, mask, cfg.sat_alpha, "hill", cfg.sat_kernel_exponent)
