@@ -310,6 +310,50 @@ def plot(out: Path, result: dict[str, Any], protocol: dict[str, Any]) -> None:
     plt.close(fig)
 
 
+def in_progress(out: Path) -> list[dict[str, Any]]:
+    """Every started run, complete or not: its arm, seed, steps logged so far and the per-step mean
+    of each activity metric over them (SAT's counterfactual q share and intercepted share included).
+    Descriptive only: never an analysis row (the analysis reads complete runs of complete seeds)."""
+    from verl_sat.files import METRICS_FILE, read_metrics
+
+    rows = []
+    for path in sorted(out.glob("runs/*/study_spec.json")):
+        raw = json.loads(path.read_text())
+        metrics = read_metrics(path.parent / METRICS_FILE) if (path.parent / METRICS_FILE).is_file() else []
+        if not metrics:
+            continue
+        row: dict[str, Any] = {"arm": raw["arm"], "seed": raw["seed"], "steps": len(metrics)}
+        q = [r[base.Q_KEY] for r in metrics if base.Q_KEY in r]
+        row["q_below_radius_frac"] = sum(v < base.RADIUS for v in q) / len(q) if q else None
+        for column, key in {**ACTIVITY, "intercepted_frac": base.INTERCEPT_KEY}.items():
+            if key is not None:
+                values = [r[key] for r in metrics if key in r]
+                row[column] = sum(values) / len(values) if values else None
+        rows.append(row)
+    return rows
+
+
+def in_progress_lines(rows: Sequence[dict[str, Any]]) -> list[str]:
+    lines = [
+        "| arm | seed | steps logged | q below log(1.2) | SAT intercepted | DPPO-TV masked (counterfactual) "
+        "| both | DPPO mask applied | responses per micro-batch (min / mean / max) | starved micro-batches "
+        "| gate rate applied |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for a in rows:
+        sizes = "-"
+        if a["seqs_per_mb_mean"] is not None:
+            sizes = f"{a['seqs_per_mb_min']:.2f} / {a['seqs_per_mb_mean']:.2f} / {a['seqs_per_mb_max']:.2f}"
+        gate = a["mb_gate_rate"] if a["mb_gate_rate"] is not None else a["sat_gate_rate"]
+        lines.append(
+            f"| {LABELS[a['arm']]} | {a['seed']} | {a['steps']} | {_f(a['q_below_radius_frac'], '.3f')} | "
+            f"{_f(a['intercepted_frac'], '.4f')} | {_f(a['dppo_masked_frac'], '.4f')} | "
+            f"{_f(a['dppo_intercepted_overlap_frac'], '.4f')} | {_f(a['dppo_arm_masked_frac'], '.4f')} | "
+            f"{sizes} | {_f(a['mb_starved_frac'], '.3f')} | {_f(gate, '.4f')} |"
+        )
+    return lines
+
+
 def summarize(out: Path, protocol: dict[str, Any], results: Path | None = None) -> dict[str, Any]:
     """runs.csv (the provenance in every row), study.json, study.md and the figures in ``out``
     (and copies in ``results``)."""
@@ -322,11 +366,19 @@ def summarize(out: Path, protocol: dict[str, Any], results: Path | None = None) 
         base.write_csv(out / "runs.csv", stats)
     result = analyse(stats, protocol, checkpoints)
     (out / "study.json").write_text(json.dumps({"provenance": provenance, **result}, indent=2, default=list))
-    (out / "study.md").write_text(report(result, protocol, provenance))
+    started = in_progress(out)
+    if started:
+        base.write_csv(out / "in_progress.csv", [{**r, **provenance} for r in started])
+    text = report(result, protocol, provenance)
+    text += "\n## Every started run, complete or not (descriptive, not evidence)\n\n" + "\n".join(
+        in_progress_lines(started)
+    )
+    (out / "study.md").write_text(text + "\n")
     plot(out, result, protocol)
     if results is not None:
         results.mkdir(parents=True, exist_ok=True)
-        for name in ("runs.csv", "study.json", "study.md", "curve.png", "contrasts.png", "provenance.json"):
+        names = ("runs.csv", "in_progress.csv", "study.json", "study.md", "curve.png", "contrasts.png")
+        for name in (*names, "provenance.json"):
             if (out / name).is_file():
                 shutil.copy(out / name, results / name)
     return result
