@@ -28,6 +28,7 @@ import argparse
 import json
 import re
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -39,14 +40,14 @@ def canonical_name(name: str) -> str:
 
 GPU_STACK: dict[str, str] = {
     "verl": "0.9.1",
-    "sglang": "0.5.12",
-    "sglang-kernel": "0.4.2.post2",
-    "flashinfer-python": "0.6.11.post1",
-    "flashinfer-cubin": "0.6.11.post1",
     "transformers": "5.9.0",
     "torch": "2.11.0",
     "torchvision": "0.26.0",
     "torchaudio": "2.11.0",
+    "sglang": "0.5.12",
+    "sglang-kernel": "0.4.2.post2",
+    "flashinfer-python": "0.6.11.post1",
+    "flashinfer-cubin": "0.6.11.post1",
     "megatron-bridge": "0.5.1",
     "megatron-core": "0.18.0",
     "transformer-engine": "2.12.0",
@@ -77,6 +78,23 @@ verl's replacement of that function lowers to flashinfer >= 0.2.5 while forcing 
 
 SGLANG_FLASHINFER_MIN = SGLANG_OWN_MINIMUMS["flashinfer-python"]
 """SGLang 0.5.12's own flashinfer floor, which verl's patch skips."""
+
+SGLANG_KERNEL_CU130_WHEEL = (
+    "https://github.com/sgl-project/whl/releases/download/v0.4.2.post2/"
+    "sglang_kernel-0.4.2.post2+cu130-cp310-abi3-manylinux2014_x86_64.whl"
+    "#sha256=4e7ce619274234d182b20da883fcf1d20e7e55cbea90d62244e2b6a3d6c0fc85"
+)
+"""SGLang's CUDA 13 build of its pinned kernel, which verl's SGLang 0.5.12 image installs over the
+index's wheel on x86_64 (``0.4.2.post2+cu130`` meets ``==0.4.2.post2``)."""
+
+PURE_PYTHON_SDISTS: tuple[str, ...] = ("antlr4-python3-runtime==4.9.*", "wget", "pylatexenc")
+"""Pure-Python packages of the resolved set that the index ships only as source (hydra-core's
+antlr4, megatron-core's ``dev`` extra's wget, verl's pylatexenc). pip builds them on the node; the
+binary-only dry run gets them as wheels built here first (``py3-none-any``, valid on any node)."""
+
+RESOLVER_PIP = "26.3"
+"""The pip the install and the dry run use: pip 23.2 (Python 3.11's bundled pip) checks a
+``--python-version 3.12`` target's ``Requires-Python`` against the running interpreter."""
 
 TARGET_PYTHON = "3.12"
 """The only Python both verl 0.9.1 (<3.13) and Megatron-Bridge (>=3.12,<3.13) accept."""
@@ -131,6 +149,12 @@ OVERRIDES: tuple[Override, ...] = (
     Override("megatron-bridge", "transformers<5.9.0,>=5.8.1", _TRANSFORMERS),
     Override("megatron-bridge", "flashinfer-python==0.6.8.post1", _FLASHINFER),
     Override("megatron-bridge", "flashinfer-cubin==0.6.8.post1", _FLASHINFER),
+    Override(
+        "megatron-bridge",
+        "open-clip-torch>=3.2.0",
+        "open-clip-torch >= 3.2 needs timm >= 1.0.17 and SGLang 0.5.12 pins timm==1.0.16; Megatron-Bridge "
+        "0.5.1's code imports neither open_clip nor timm",
+    ),
     Override(
         "megatron-core",
         'nvidia-resiliency-ext==0.6.0; extra == "dev"',
@@ -252,44 +276,84 @@ def stale_overrides(report: dict) -> list[Override]:
     ]
 
 
+def resolved_summary(report: dict) -> list[str]:
+    """The stack as pip's resolver answered it, one ``name==version`` a line, checked against the pins.
+
+    Raises ValueError naming the package when pip chose another version than the pin, or pulled in
+    a ``--no-deps`` package (pip would then install that package's own pins too).
+    """
+    chosen = {canonical_name(i["metadata"]["name"]): i["metadata"]["version"] for i in report["install"]}
+    skipped = set(no_deps_packages()) | SOURCE_BUILDS
+    pulled = sorted(skipped & set(chosen))
+    if pulled:
+        raise ValueError(f"the resolved set pulls in {', '.join(pulled)}, which the install builds or adds on its own")
+    lines = [f"resolved {len(chosen)} packages for Python {TARGET_PYTHON} on manylinux x86_64:"]
+    for name, version in GPU_STACK.items():
+        if name in skipped:
+            how = "--no-deps" if name in no_deps_packages() else "built from source on the node"
+            lines.append(f"  {name}=={version} ({how})")
+        elif chosen.get(name) != version:
+            raise ValueError(f"pip chose {name} {chosen.get(name, '(none)')}, the stack pins {version}")
+        else:
+            lines.append(f"  {name}=={version}")
+    return lines
+
+
+def _overrides_lines() -> list[str]:
+    """The overrides, one a line, with their reasons."""
+    return [f"{o.dependent}: {o.requirement} ({o.reason})" for o in OVERRIDES]
+
+
+def _report_lines(path: Path, lines_of: Callable[[dict], list[str]]) -> list[str]:
+    """``lines_of`` applied to the pip ``--report`` JSON at ``path``."""
+    return lines_of(json.loads(path.read_text()))
+
+
+def _kept_lines(report: dict) -> list[str]:
+    """The kept requirements, after checking that every override is still declared."""
+    stale = stale_overrides(report)
+    if stale:
+        named = "; ".join(f"{o.dependent}: {o.requirement}" for o in stale)
+        raise ValueError(f"the packages no longer declare these overridden requirements (update OVERRIDES): {named}")
+    return kept_requirements(report)
+
+
+_PRINTERS = {
+    "requirements": ("the pins pip resolves together", lambda: resolved_pins()),
+    "no_deps": ("the pins installed with --no-deps", lambda: [pin(n) for n in no_deps_packages()]),
+    "source_builds": ("the pins built from source", lambda: [pin(n) for n in GPU_STACK if n in SOURCE_BUILDS]),
+    "pure_sdists": ("pure-Python sdists the dry run builds", lambda: list(PURE_PYTHON_SDISTS)),
+    "overrides": ("the overrides with their reasons", _overrides_lines),
+    "platforms": ("pip's --platform tags for the GPU node", lambda: list(TARGET_PLATFORMS)),
+    "python_version": ("the GPU node's Python", lambda: [TARGET_PYTHON]),
+    "pip": ("the pip the install uses", lambda: [RESOLVER_PIP]),
+    "sglang_kernel_wheel": ("SGLang's CUDA 13 kernel wheel", lambda: [SGLANG_KERNEL_CU130_WHEEL]),
+    "flashinfer_min": ("SGLang's own flashinfer floor", lambda: [SGLANG_FLASHINFER_MIN]),
+}
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Print one list of requirement lines for ``install_gpu.sh`` (one a line)."""
+    """Print one list for ``install_gpu.sh``, one item a line; exit 1 with the reason on a bad report."""
     parser = argparse.ArgumentParser(prog="stack.py", description=__doc__.splitlines()[0])
     group = parser.add_mutually_exclusive_group(required=True)
-    group.add_argument("--requirements", action="store_true", help="the pins pip resolves together")
-    group.add_argument("--no-deps", action="store_true", help="the pins installed with --no-deps")
-    group.add_argument("--source-builds", action="store_true", help="the pins built from source")
+    for key, (text, _) in _PRINTERS.items():
+        group.add_argument(f"--{key.replace('_', '-')}", action="store_true", help=text)
     group.add_argument("--project", type=Path, metavar="PYPROJECT", help="verl-sat's own requirements")
-    group.add_argument("--kept", type=Path, metavar="REPORT", help="the --no-deps packages' kept requirements")
-    group.add_argument("--overrides", action="store_true", help="the overrides, one a line, with reasons")
-    group.add_argument("--platforms", action="store_true", help="pip's --platform tags for the GPU node")
-    group.add_argument("--python-version", action="store_true", help="the GPU node's Python")
-    group.add_argument("--flashinfer-min", action="store_true", help="SGLang's own flashinfer floor")
+    group.add_argument("--kept", type=Path, metavar="REPORT", help="kept requirements of the --no-deps packages")
+    group.add_argument("--check-resolved", type=Path, metavar="REPORT", help="the resolved stack, checked")
     args = parser.parse_args(argv)
-    if args.requirements:
-        lines = resolved_pins()
-    elif args.no_deps:
-        lines = [pin(name) for name in no_deps_packages()]
-    elif args.source_builds:
-        lines = [pin(name) for name in GPU_STACK if name in SOURCE_BUILDS]
-    elif args.project:
-        lines = project_requirements(args.project)
-    elif args.kept:
-        report = json.loads(args.kept.read_text())
-        stale = stale_overrides(report)
-        if stale:
-            named = "; ".join(f"{o.dependent}: {o.requirement}" for o in stale)
-            print(f"stack.py: overrides the packages no longer declare (update OVERRIDES): {named}", file=sys.stderr)
-            return 1
-        lines = kept_requirements(report)
-    elif args.overrides:
-        lines = [f"{o.dependent}: {o.requirement} ({o.reason})" for o in OVERRIDES]
-    elif args.platforms:
-        lines = list(TARGET_PLATFORMS)
-    elif args.python_version:
-        lines = [TARGET_PYTHON]
-    else:
-        lines = [SGLANG_FLASHINFER_MIN]
+    try:
+        if args.project:
+            lines = project_requirements(args.project)
+        elif args.kept:
+            lines = _report_lines(args.kept, _kept_lines)
+        elif args.check_resolved:
+            lines = _report_lines(args.check_resolved, resolved_summary)
+        else:
+            lines = next(make() for key, (_, make) in _PRINTERS.items() if getattr(args, key))
+    except ValueError as err:
+        print(f"stack.py: {err}", file=sys.stderr)
+        return 1
     print("\n".join(lines))
     return 0
 
