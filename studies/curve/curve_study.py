@@ -354,6 +354,52 @@ def in_progress_lines(rows: Sequence[dict[str, Any]]) -> list[str]:
     return lines
 
 
+def _pooled(rows: Sequence[dict[str, Any]], column: str) -> float | None:
+    """The per-step mean of ``column`` over every logged step of ``rows`` (runs weighted by steps)."""
+    have = [(float(r[column]), int(r["steps"])) for r in rows if r.get(column) not in (None, "")]
+    steps = sum(n for _, n in have)
+    return sum(v * n for v, n in have) / steps if steps else None
+
+
+def interim_quotes(rows: Sequence[dict[str, Any]]) -> list[str]:
+    """The sentences docs/study.md quotes from ``in_progress.csv`` (tests/test_curve_study.py checks
+    them there): the micro-batch gate's starvation and where DPPO-TV and SAT act, per arm."""
+
+    def arm(name: str) -> list[dict[str, Any]]:
+        return [r for r in rows if r["arm"] == name]
+
+    def seeds(runs: Sequence[dict[str, Any]]) -> str:
+        return ", ".join(str(r["seed"]) for r in runs)
+
+    quotes = []
+    mbq, sat = arm("sat_gspo_r3_mbq"), arm("sat_gspo_r3")
+    if mbq and sat:
+        quotes.append(
+            f"over the {sum(int(r['steps']) for r in mbq)} steps the q-per-micro-batch runs logged (seed "
+            f"{seeds(mbq)}), {_pooled(mbq, 'mb_starved_frac'):.3f} of their micro-batches starved, with "
+            f"{_pooled(mbq, 'seqs_per_mb_mean'):.2f} responses per micro-batch and a gate rate of "
+            f"{_pooled(mbq, 'mb_gate_rate'):.4f}, against {_pooled(sat, 'sat_gate_rate'):.4f} with q per step"
+        )
+    for name in ("sat_gspo_r3", "sat_gspo_r3_dppo", "dppo_tv_r3"):
+        runs = arm(name)
+        if not runs:
+            continue
+        masked, icpt, both = (
+            _pooled(runs, c) for c in ("dppo_masked_frac", "intercepted_frac", "dppo_intercepted_overlap_frac")
+        )
+        share = f"{both / icpt:.2f}" if icpt else "-"
+        quotes.append(
+            f"on {LABELS[name]}'s batches ({sum(int(r['steps']) for r in runs)} steps, seed {seeds(runs)}), "
+            f"DPPO-TV's mask at delta 1e-3 would remove {masked:.3f} of the tokens, SAT intercepts {icpt:.4f} "
+            f"and {both:.4f} are both ({share} of SAT's intercepted tokens)"
+        )
+        if name == "sat_gspo_r3_dppo":
+            quotes.append(
+                f"the combination's own DPPO-TV mask removed {_pooled(runs, 'dppo_arm_masked_frac'):.3f} of its tokens"
+            )
+    return quotes
+
+
 def summarize(out: Path, protocol: dict[str, Any], results: Path | None = None) -> dict[str, Any]:
     """runs.csv (the provenance in every row), study.json, study.md and the figures in ``out``
     (and copies in ``results``)."""
@@ -370,6 +416,7 @@ def summarize(out: Path, protocol: dict[str, Any], results: Path | None = None) 
     if started:
         base.write_csv(out / "in_progress.csv", [{**r, **provenance} for r in started])
     text = report(result, protocol, provenance)
+    text += "\n## Interim quotes (docs/study.md)\n\n" + "\n".join(f"- {q}" for q in interim_quotes(started)) + "\n"
     text += "\n## Every started run, complete or not (descriptive, not evidence)\n\n" + "\n".join(
         in_progress_lines(started)
     )
