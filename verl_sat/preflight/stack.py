@@ -20,6 +20,7 @@ Why each pin (read from the packages' metadata on the index):
 - TransformerEngine 2.12 (verl's previous SGLang image builds ``release_v2.12``): the CUDA 13 core
   wheel, and the PyTorch extension, which PyPI ships only as a source distribution built against
   the installed torch.
+- Ray 2.60.0 (verl needs >= 2.41): the version the CPU tests and docs/cluster.md run.
 """
 
 from __future__ import annotations
