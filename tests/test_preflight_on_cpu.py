@@ -73,7 +73,9 @@ def good_facts(cfg: DictConfig) -> Facts:
         sglang_routed_experts=True,
         checkpoint_engines=("naive", "nccl"),
         cupy_distributions=("cupy-cuda12x",),
-        host_mem_available_bytes=1500 * 10**9,
+        # lag 8 with R3 needs 1.92 TB (docs/reproduce.md): under Ray's 95% of 2.2 TB with 50 GB in use
+        host_mem_total_bytes=2200 * 10**9,
+        host_mem_available_bytes=2150 * 10**9,
         disk_free_bytes=10 * 10**12,
         model=ModelFacts(str(BASE_MODEL_DIR), dict(BASE_CONFIG), QWEN3_30B_PARAMS),
         data_schemas={path: dict(GOOD_SCHEMA) for path in files},
@@ -170,9 +172,20 @@ def seed_python_311(cfg, facts):
     return cfg, replace(facts, python=(3, 11))
 
 
-def seed_bridge_built_for_other_transformers(cfg, facts):
-    unmet = ("transformers<5.9.0,>=5.8.1 (5.9.0 installed)",)
-    return cfg, replace(facts, requirement_conflicts={"megatron-bridge": unmet})
+def seed_bridge_built_for_other_megatron_core(cfg, facts):
+    unmet = node_facts.Unmet("megatron-bridge", "0.5.1", "megatron-core>=0.18", "0.17.0")
+    return cfg, replace(facts, requirement_conflicts=(unmet,))
+
+
+def seed_old_flashinfer(cfg, facts):
+    # SGLang 0.5.12 asserts flashinfer_python >= 0.6.11.post1 itself; verl's replacement only >= 0.2.5
+    versions = {**facts.versions, "flashinfer-python": "0.6.8.post1"}
+    return cfg, replace(facts, versions=versions, sglang_flashinfer_min="0.6.11.post1")
+
+
+def seed_megatron_engine_not_importing(cfg, facts):
+    error = "ImportError: cannot import name 'get_forward_backward_func' (raised at transformer_impl.py:25)"
+    return cfg, replace(facts, import_errors={**facts.import_errors, node_facts.MEGATRON_ENGINE: error})
 
 
 def seed_use_mbridge_off(cfg, facts):
@@ -201,6 +214,11 @@ def seed_small_host(cfg, facts):
 def seed_host_without_room_for_routes(cfg, facts):
     # holds the 488 GB optimizer, not the lag-8 buffer of 36864 samples × 25 MiB of routes
     return cfg, replace(facts, host_mem_available_bytes=1000 * 10**9)
+
+
+def seed_host_without_room_for_the_rank_copies(cfg, facts):
+    # 2 TB of RAM, idle, holds optimizer + buffer (1.47 TB) but not 4 ranks × 111 GB under Ray's 95%
+    return cfg, replace(facts, host_mem_total_bytes=2 * 10**12, host_mem_available_bytes=2 * 10**12)
 
 
 def seed_small_disk(cfg, facts):
@@ -237,12 +255,15 @@ SEEDED = [
     (seed_no_megatron_bridge, checks.check_megatron, "megatron-bridge"),
     (seed_no_mbridge_when_vanilla, checks.check_megatron, "vanilla_mbridge=true"),
     (seed_python_311, checks.check_megatron, "Python 3.12"),
-    (seed_bridge_built_for_other_transformers, checks.check_megatron, "transformers<5.9.0"),
+    (seed_bridge_built_for_other_megatron_core, checks.check_requirements, "megatron-core>=0.18, installed 0.17.0"),
+    (seed_old_flashinfer, checks.check_requirements, "flashinfer-python 0.6.8.post1"),
     (seed_use_mbridge_off, checks.check_megatron, "megatron.use_mbridge"),
+    (seed_megatron_engine_not_importing, checks.check_megatron, "cannot import name 'get_forward_backward_func'"),
     (seed_full_32k_response, checks.check_context_length, "data.max_response_length"),
     (seed_post_trained_max_model_len, checks.check_context_length, "rollout.max_model_len"),
     (seed_small_host, checks.check_host_memory, "optimizer_offload_fraction"),
     (seed_host_without_room_for_routes, checks.check_host_memory, "R3's routes"),
+    (seed_host_without_room_for_the_rank_copies, checks.check_host_memory, "4 trainer ranks' copies"),
     (seed_small_disk, checks.check_disk, "trainer.max_actor_ckpt_to_keep"),
     (seed_data_without_ground_truth, checks.check_data, "reward_model.ground_truth"),
     (seed_missing_val_file, checks.check_data, "data.val_files"),
@@ -371,13 +392,215 @@ def test_host_estimate_includes_rollout_buffer_and_routes(cfg: DictConfig) -> No
     assert estimates.buffered_prompts(plain) == 2048 + 256
 
 
-def test_host_check_counts_optimizer_plus_buffer(cfg: DictConfig) -> None:
+def node(need: int, total: int) -> dict[str, int]:
+    """A node of ``total`` bytes of RAM whose budget under Ray's default 95% is exactly ``need``."""
+    return {"host_mem_total_bytes": total, "host_mem_available_bytes": need + total - int(0.95 * total)}
+
+
+def test_host_check_counts_optimizer_buffer_and_rank_copies(cfg: DictConfig) -> None:
     params = QWEN3_30B_PARAMS
-    need = estimates.host_optimizer_bytes(cfg, params) + estimates.rollout_buffer_bytes(cfg, BASE_CONFIG)["total"]
-    assert failures(cfg, replace(good_facts(cfg), host_mem_available_bytes=need), checks.check_host_memory) == []
-    (short,) = failures(cfg, replace(good_facts(cfg), host_mem_available_bytes=need - 1), checks.check_host_memory)
+    need = estimates.host_memory_bytes(cfg, params, BASE_CONFIG)
+    buffer = estimates.rollout_buffer_bytes(cfg, BASE_CONFIG)
+    copies = estimates.rank_copy_bytes(cfg, BASE_CONFIG)
+    assert need["optimizer"] == estimates.host_optimizer_bytes(cfg, params)
+    assert need["total"] == need["optimizer"] + buffer["total"] + copies["total"]
+    # TP 4 × EP 4 on 4 GPUs: DP 1, so each of the 4 ranks fetches the whole 256 × 16 optimizer batch,
+    # every field: the buffer's and the step's write-backs (old_log_probs, ref_log_prob, advantages, returns)
+    writeback = 30720 * 4 * len(step_writeback_fields(cfg))
+    assert copies == {
+        "ranks": 4,
+        "dp": 1,
+        "samples_per_rank": 4096,
+        "per_sample": buffer["per_sample"] + writeback,
+        "per_rank": 4096 * (buffer["per_sample"] + writeback),
+        "total": 4 * 4096 * (buffer["per_sample"] + writeback),
+    }
+    total = 2300 * 10**9
+    assert failures(cfg, replace(good_facts(cfg), **node(need["total"], total)), checks.check_host_memory) == []
+    (short,) = failures(cfg, replace(good_facts(cfg), **node(need["total"] - 1, total)), checks.check_host_memory)
     assert "rollout buffer 36864 samples" in short.message and short.key == "data.max_response_length"
     assert "data.train_batch_size + 256 warm-up prompts" in short.message
+    assert "4 trainer ranks' copies of the optimizer batch (DP 1: each rank fetches 4096 samples" in short.message
+    assert "RAY_memory_usage_threshold=0.95" in short.message
+    # what the estimate held before the rank copies were counted no longer passes
+    old = need["optimizer"] + buffer["total"]
+    assert failures(cfg, replace(good_facts(cfg), **node(old, total)), checks.check_host_memory)
+
+
+def test_the_verdict_is_rays_kill_threshold_not_all_of_ram(cfg: DictConfig) -> None:
+    """Ray kills a worker once used (MemTotal − MemAvailable) passes the threshold × MemTotal: a node
+    whose free RAM holds the estimate, but not under 95% of it, fails; with Ray's memory monitor
+    off (threshold 1.0) or RAY_min_memory_free_bytes small, it passes."""
+    need = estimates.host_memory_bytes(cfg, QWEN3_30B_PARAMS, BASE_CONFIG)["total"]
+    idle = replace(good_facts(cfg), host_mem_total_bytes=need + 10**9, host_mem_available_bytes=need + 10**9)
+    (short,) = failures(cfg, idle, checks.check_host_memory)
+    kill = estimates.ray_kill_bytes(need + 10**9, 0.95)
+    assert kill == int(0.95 * (need + 10**9)) and estimates.gib(kill) in short.message
+    assert failures(cfg, replace(idle, ray_memory_threshold=1.0), checks.check_host_memory) == []
+    # Ray's min_memory_free_bytes: the threshold is max(fraction × total, total − min_free)
+    assert failures(cfg, replace(idle, ray_min_memory_free_bytes=10**9), checks.check_host_memory) == []
+    assert failures(cfg, replace(idle, ray_min_memory_free_bytes=10**12), checks.check_host_memory)
+    # memory already in use counts against the budget
+    busy = replace(idle, host_mem_total_bytes=need + 10**12)
+    assert failures(cfg, busy, checks.check_host_memory) != []
+    assert failures(cfg, replace(busy, host_mem_available_bytes=need + 10**12), checks.check_host_memory) == []
+
+
+def test_rays_threshold_is_read_from_the_environment_ray_reads() -> None:
+    assert node_facts.ray_memory_threshold({}) == node_facts.RAY_MEMORY_USAGE_THRESHOLD == 0.95
+    assert node_facts.ray_memory_threshold({"RAY_memory_usage_threshold": "0.8"}) == 0.8
+    assert node_facts.ray_memory_threshold({"RAY_memory_monitor_refresh_ms": "0"}) == 1.0  # no killing
+    assert node_facts.ray_min_memory_free({}) == -1
+    assert node_facts.ray_min_memory_free({"RAY_min_memory_free_bytes": "1000"}) == 1000
+    for bad in ("high", "1.5"):
+        with pytest.raises(ValueError, match="RAY_memory_usage_threshold"):
+            node_facts.ray_memory_threshold({"RAY_memory_usage_threshold": bad})
+
+
+@pytest.mark.extended  # tests/README.md: starts a Ray head (about 10 s)
+def test_rays_raylet_kills_at_the_preflights_threshold(tmp_path: Path) -> None:
+    """Ray's raylet logs the threshold its memory monitor kills at; with nothing set it is the
+    preflight's default, and RAY_memory_usage_threshold moves it as the preflight reads it."""
+    import re
+
+    code = (
+        "import ray, glob, time\n"
+        "ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False)\n"
+        "logs = ray._private.worker._global_node.get_logs_dir_path()\n"
+        "for _ in range(100):\n"
+        "    text = ''.join(open(f).read() for f in glob.glob(logs + '/raylet*.out'))\n"
+        "    if 'MemoryMonitor initialized' in text: break\n"
+        "    time.sleep(0.1)\n"
+        "ray.shutdown()\n"
+        "print(text)\n"
+    )
+    for env, expected in (({}, node_facts.RAY_MEMORY_USAGE_THRESHOLD), ({"RAY_memory_usage_threshold": "0.9"}, 0.9)):
+        base = {k: v for k, v in os.environ.items() if not k.startswith("RAY_memory")}
+        full = {**base, "RAY_AUTH_MODE": "disabled", **env}
+        out = subprocess.run([sys.executable, "-c", code], env=full, capture_output=True, text=True, timeout=120)
+        found = re.search(r"MemoryMonitor initialized with usage[ _]threshold[^0-9]*([0-9.]+)[^%]*%?", out.stdout)
+        assert found, out.stdout[-2000:] + out.stderr[-2000:]
+        logged = float(found.group(1))
+        assert (logged / 100 if logged > 1 else logged) == pytest.approx(expected), found.group(0)
+        assert node_facts.ray_memory_threshold(full) == expected
+
+
+def test_the_trainer_ranks_fetch_the_batch_as_verl_dispatches_it(cfg: DictConfig, monkeypatch) -> None:
+    """Megatron's own ``initialize_model_parallel`` gives each trainer rank its DP rank (torch.distributed
+    answering for one rank of the layout at a time); verl's own ``dispatch_lazy_compute_data_proto``
+    chunks the optimizer batch's handle (a TransferQueue ``KVBatchMeta``) by them; each rank's
+    ``tqbridge`` fetches its chunk. The samples fetched on the node are what ``rank_copy_bytes`` counts."""
+    from unittest import mock
+
+    import torch.distributed as dist
+    from megatron.core import parallel_state as mpu
+    from transfer_queue import KVBatchMeta
+    from verl.single_controller.base import decorator
+    from verl.single_controller.base.worker_group import WorkerGroup
+    from verl.utils import ray_utils, transferqueue_utils
+
+    class Group:
+        """A process group as Megatron asks it: this rank's index in ``ranks`` and their count."""
+
+        def __init__(self, ranks, rank: int) -> None:
+            self.ranks, self.me = list(ranks), rank
+
+        def rank(self) -> int:
+            return self.ranks.index(self.me) if self.me in self.ranks else -1
+
+        def size(self) -> int:
+            return len(self.ranks)
+
+    def dp_ranks(world: int, lay: dict[str, int]) -> list[int]:
+        out = []
+        for rank in range(world):
+            with (
+                mock.patch.object(dist, "is_initialized", lambda: True),
+                mock.patch.object(dist, "get_world_size", lambda group=None: world),
+                mock.patch.object(dist, "get_rank", lambda group=None, r=rank: r),
+                mock.patch.object(dist, "new_group", lambda ranks=None, r=rank, **kw: Group(ranks or range(world), r)),
+            ):
+                mpu.destroy_model_parallel()
+                mpu.initialize_model_parallel(
+                    tensor_model_parallel_size=lay["tp"],
+                    pipeline_model_parallel_size=lay["pp"],
+                    context_parallel_size=lay["cp"],
+                    expert_model_parallel_size=lay["ep"],
+                    expert_tensor_parallel_size=lay["etp"],
+                )
+                out.append(mpu.get_data_parallel_rank())
+                mpu.destroy_model_parallel()
+        return out
+
+    monkeypatch.setattr(ray_utils, "parallel_put", lambda chunks, max_workers=None: list(chunks))
+    monkeypatch.setattr(transferqueue_utils, "kv_batch_meta2batch_meta", lambda meta: meta)
+    meg = "actor_rollout_ref.actor.megatron"
+    for gpus, tp, pp, ep in ((4, 4, 1, 4), (8, 2, 1, 4), (8, 2, 2, 2), (8, 1, 1, 8)):
+        for key, value in (("tensor", tp), ("pipeline", pp), ("expert", ep)):
+            set_key(cfg, f"{meg}.{key}_model_parallel_size", value)
+        set_key(cfg, "trainer.n_gpus_per_node", gpus)
+        mapping = dp_ranks(gpus, estimates.megatron_layout(cfg))
+        group = object.__new__(WorkerGroup)
+        group._workers, group._dispatch_info = [None] * gpus, {"train": mapping}
+        samples = estimates.optimizer_batch_samples(cfg)
+        batch = KVBatchMeta(partition_id="train", keys=[f"k{i}" for i in range(samples)], tags=[{}] * samples)
+        (per_rank,), _ = decorator.dispatch_lazy_compute_data_proto("train", group, batch)
+        copies = estimates.rank_copy_bytes(cfg, BASE_CONFIG)
+        assert max(mapping) + 1 == estimates.data_parallel_size(cfg) == copies["dp"], (gpus, tp, pp, ep)
+        assert [len(chunk.keys) for chunk in per_rank] == [copies["samples_per_rank"]] * gpus
+        assert sum(len(chunk.keys) for chunk in per_rank) * copies["per_sample"] == copies["total"]
+
+
+def test_the_optimizer_batch_is_the_one_verls_step_samples(tmp_path: Path) -> None:
+    """verl's own ``PPOTrainer.step`` asks ``_step_once`` for ``train_batch_size // parameter_sync_step``
+    prompts per optimizer step: 256 at both lags (× rollout.n samples)."""
+    from transfer_queue import KVBatchMeta
+    from verl.trainer.ppo.v1 import trainer_base
+
+    for lag in (1, 8):
+        cfg = cli.resolve("sat_gspo_r3", lag, run_dir=str(tmp_path))
+        # the class the launch runs (verl-sat's, registered as sat_separate_async), its mode and
+        # parameter_sync_step set as verl's PPOTrainer.__init__ sets them
+        trainer = object.__new__(trainer_base.get_trainer_cls(cfg.trainer.v1.trainer_mode))
+        trainer.config = cfg
+        trainer.trainer_mode = cfg.trainer.v1.trainer_mode
+        trainer.parameter_sync_step = cfg.trainer.v1.get(trainer.trainer_mode, {}).get("parameter_sync_step", 1)
+        asked: list[int] = []
+        trainer.prepare_step = dict
+        trainer._step_once = lambda metrics, timing, size, asked=asked: asked.append(size) or KVBatchMeta()
+        trainer.step({}, {})
+        assert asked == [256] * lag
+        assert estimates.optimizer_batch_samples(cfg) == 256 * cfg.actor_rollout_ref.rollout.n
+
+
+def test_the_docs_host_memory_figures_are_the_preflights() -> None:
+    """docs/reproduce.md's host-memory table and the figures its "Host memory" section quotes,
+    recomputed by the preflight's own code on the Base model's config.json (the printer
+    ``python -m verl_sat.preflight --memory-table``), so the docs cannot drift from the check."""
+    docs = (REPO / "docs/reproduce.md").read_text()
+    rows = cli.memory_rows([f"actor_rollout_ref.model.path={BASE_MODEL_DIR}"])
+    table = cli.memory_table(rows)
+    assert [line for line in docs.splitlines() if line.startswith("| lag ")] == table[2:]
+    assert "\n".join(table) in docs
+    section = docs[docs.index("### Host memory") : docs.index("To see the fully resolved config")]
+    by_row = {r["row"]: r for r in rows}
+    lag1, lag8, plain = by_row["lag 1, R3"], by_row["lag 8, R3"], by_row["lag 1, no R3"]
+    copies = lag8["copies"]
+    quoted = [
+        f"= {lag1['buffer']['samples']} samples",
+        f"= {lag8['buffer']['samples']} samples",
+        f"a sample is {lag8['buffer']['per_sample'] / 1e6:.1f} MB with R3",
+        f"({plain['buffer']['per_sample'] / 1e6:.1f} MB\nwithout)",
+        f"256 prompts × 16 = {copies['samples_per_rank']} samples",
+        f"DP = {copies['dp']} and each of the {copies['ranks']} ranks",
+        f"{copies['samples_per_rank']} samples × {copies['per_sample'] / 1e6:.1f} MB = "
+        f"{cli.decimal_size(copies['per_rank'])} a rank",
+        f"{cli.decimal_size(copies['total'])} for the node",
+    ]
+    assert [q for q in quoted if q not in section] == []
+    assert lag8["copies"] == lag1["copies"]  # the same optimizer batch at both lags
+    # the verdict the docs draw: lag 8 with R3 does not fit under Ray's 95% of a 2 TB node
+    assert lag8["need"]["total"] > 0.95 * 2 * 10**12 > lag1["need"]["total"]
 
 
 def test_host_estimate_follows_the_formula(cfg: DictConfig) -> None:
@@ -388,11 +611,13 @@ def test_host_estimate_follows_the_formula(cfg: DictConfig) -> None:
     assert estimates.host_optimizer_bytes(cfg, params) == params * 0.5 * 14
 
 
-def test_no_offload_counts_only_the_rollout_buffer(cfg: DictConfig) -> None:
+def test_no_offload_counts_only_the_rollout_buffer_and_rank_copies(cfg: DictConfig) -> None:
     set_key(cfg, "actor_rollout_ref.actor.optim.override_optimizer_config.optimizer_cpu_offload", False)
-    buffer = estimates.rollout_buffer_bytes(cfg, BASE_CONFIG)["total"]
-    assert checks.check_host_memory(cfg, replace(good_facts(cfg), host_mem_available_bytes=buffer)) == []
-    (short,) = checks.check_host_memory(cfg, replace(good_facts(cfg), host_mem_available_bytes=buffer - 1))
+    need = estimates.host_memory_bytes(cfg, QWEN3_30B_PARAMS, BASE_CONFIG)
+    assert need["optimizer"] == 0 and need["total"] == need["buffer"] + need["rank_copies"]
+    total = 2 * 10**12
+    assert checks.check_host_memory(cfg, replace(good_facts(cfg), **node(need["total"], total))) == []
+    (short,) = checks.check_host_memory(cfg, replace(good_facts(cfg), **node(need["total"] - 1, total)))
     assert "offloaded optimizer" not in short.message and "rollout buffer" in short.message
 
 
@@ -512,11 +737,12 @@ def install_metadata(site: Path, name: str, version: str, requires: list[str]) -
     (info / "METADATA").write_text("\n".join(lines + [f"Requires-Dist: {r}" for r in requires]) + "\n")
 
 
-def test_unmet_requirements_are_read_as_pip_check_reads_them(cfg: DictConfig, tmp_path: Path, monkeypatch) -> None:
-    """megatron-bridge 0.5.1's and SGLang 0.5.12's declared requirements (from their wheels'
-    METADATA) next to this environment's real transformers and torch: importlib.metadata reads
-    them, markers are evaluated (an extra's requirement is not the base install's), and each pin the
-    installed version misses is recorded, naming both versions; the bridge's fails the check."""
+def test_unmet_requirements_are_read_as_pip_check_reads_them(cfg: DictConfig, tmp_path: Path) -> None:
+    """megatron-bridge 0.5.1's declared requirements (from its wheel's METADATA) on a search path
+    ahead of this environment's real transformers and torch: importlib.metadata reads them, markers are
+    evaluated (an extra's requirement is not the base install's), and each one the installed versions
+    miss is recorded, naming the dependent, the requirement and what is installed; a missing package
+    of the stack is one too, a missing package outside it is left to the imports."""
     from importlib import metadata
 
     transformers = metadata.version("transformers")
@@ -526,22 +752,167 @@ def test_unmet_requirements_are_read_as_pip_check_reads_them(cfg: DictConfig, tm
         "0.5.1",
         [
             f"transformers<{transformers},>=5.8.1",
-            "megatron-core[dev,mlm]",
+            "megatron-core[dev,mlm]>=0.99",
             "torch>=2.6.0",
             'transformer-engine[core_cu13,pytorch]; extra == "te"',
             "einops",
             'torch<1; python_version < "3.0"',
+            "flashinfer-python==0.6.8.post1",
+            "no-such-package-xyz",
         ],
     )
-    install_metadata(tmp_path, "sglang", "0.5.12", ["transformers==5.6.0", "flashinfer_python==0.6.11.post1"])
-    monkeypatch.syspath_prepend(str(tmp_path))
-    versions, _, conflicts = node_facts.probe_packages()
-    assert versions["megatron-bridge"] == "0.5.1" and versions["sglang"] == "0.5.12"
-    assert conflicts["megatron-bridge"] == (f"transformers<{transformers},>=5.8.1 ({transformers} installed)",)
-    assert conflicts["sglang"] == (f"transformers==5.6.0 ({transformers} installed)",)  # flashinfer: not installed
+    versions, _, conflicts = node_facts.probe_packages([str(tmp_path), *sys.path])
+    assert versions["megatron-bridge"] == "0.5.1"
+    core = metadata.version("megatron-core")
+    assert conflicts == (
+        node_facts.Unmet("megatron-bridge", "0.5.1", f"transformers<{transformers},>=5.8.1", transformers),
+        node_facts.Unmet("megatron-bridge", "0.5.1", "megatron-core[dev,mlm]>=0.99", core),
+        node_facts.Unmet("megatron-bridge", "0.5.1", "flashinfer-python==0.6.8.post1", None),
+    )
+    assert (
+        conflicts[0].line()
+        == f"megatron-bridge 0.5.1 requires transformers<{transformers},>=5.8.1, installed {transformers}"
+    )
+    assert conflicts[2].line().endswith("flashinfer-python==0.6.8.post1, not installed")
+    # without the search path: this environment, whose own requirements are met (pip check is clean)
+    assert node_facts.probe_packages()[2] == ()
     facts = replace(good_facts(cfg), versions={**good_facts(cfg).versions, **versions}, requirement_conflicts=conflicts)
-    found = failures(cfg, facts, checks.check_megatron)
-    assert [f.key for f in found] == ["megatron-bridge"] and f"({transformers} installed)" in found[0].message
+    found = {f.message.split(":")[0]: f.level for f in checks.check_requirements(cfg, facts)}
+    assert found == {
+        f"megatron-bridge 0.5.1 requires transformers<{transformers},>=5.8.1, installed {transformers}": "fail",
+        f"megatron-bridge 0.5.1 requires megatron-core[dev,mlm]>=0.99, installed {core}": "fail",
+        # the install's named override (verl_sat.preflight.stack.OVERRIDES), but without the
+        # flashinfer the install puts there (SGLang's): a failure naming it
+        "megatron-bridge 0.5.1 requires flashinfer-python==0.6.8.post1, not installed": "fail",
+    }
+    install_metadata(tmp_path, "flashinfer-python", "0.6.11.post1", [])
+    _, _, conflicts = node_facts.probe_packages([str(tmp_path), *sys.path])
+    facts = replace(facts, requirement_conflicts=conflicts)
+    (override,) = [f for f in checks.check_requirements(cfg, facts) if f.level == "warn"]
+    assert override.message.startswith(
+        "megatron-bridge 0.5.1 requires flashinfer-python==0.6.8.post1, installed 0.6.11.post1: a named override"
+    )
+
+
+SGLANG_WHEEL = "sglang-0.5.12-cp312-cp312-manylinux_2_34_x86_64.whl"
+
+
+def sglang_wheel() -> Path:
+    """SGLang 0.5.12's wheel as PyPI serves it (downloaded once, no dependencies, not installed)."""
+    cache = Path.home() / ".cache/verl-sat/wheels"
+    wheel = cache / SGLANG_WHEEL
+    if not wheel.is_file():
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "sglang==0.5.12", "--only-binary=:all:"]
+        cmd += ["--python-version", "3.12", "--platform", "manylinux_2_34_x86_64", "-d", str(cache)]
+        subprocess.run(cmd, check=True, capture_output=True, timeout=300)
+    return wheel
+
+
+def test_sglang_0512s_own_metadata_next_to_a_transformers_it_does_not_accept(
+    cfg: DictConfig, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """SGLang 0.5.12's real METADATA and engine.py (from its wheel, on a search path ahead of this
+    environment) next to this environment's transformers, which SGLang's pin does not accept: the
+    preflight names sglang, transformers and both versions and fails. With the transformers the GPU
+    install keeps (5.9.0) it warns with the override's reason instead; flashinfer is held to the floor
+    SGLang's own _set_envs_and_config asserts."""
+    import zipfile
+    from importlib import metadata
+
+    from verl_sat.preflight import stack
+
+    with zipfile.ZipFile(sglang_wheel()) as wheel:
+        for name in wheel.namelist():
+            if name.startswith("sglang-0.5.12.dist-info/") or name == node_facts.SGLANG_ENGINE_FILE:
+                wheel.extract(name, tmp_path)
+    paths = [str(tmp_path), *sys.path]
+    assert node_facts.sglang_flashinfer_min(paths) == stack.SGLANG_FLASHINFER_MIN == "0.6.11.post1"
+    assert node_facts.sglang_flashinfer_min() is None  # no SGLang in this environment
+    versions, _, conflicts = node_facts.probe_packages(paths)
+    transformers = metadata.version("transformers")
+    assert transformers != "5.6.0" and versions["sglang"] == "0.5.12"
+    expected = f"sglang 0.5.12 requires transformers==5.6.0, installed {transformers}"
+    assert expected in [u.line() for u in conflicts]
+
+    def probed(cfg: DictConfig) -> Facts:
+        facts = good_facts(cfg)
+        versions_here = {**facts.versions, **{k: v for k, v in versions.items() if k in ("sglang", "transformers")}}
+        sglang_only = tuple(u for u in conflicts if u.dependent == "sglang")
+        return replace(
+            facts, versions=versions_here, requirement_conflicts=sglang_only, sglang_flashinfer_min="0.6.11.post1"
+        )
+
+    args = ["sat_gspo_r3", "8", "--run-dir", str(tmp_path / "run"), "data.train_files=/d/train.parquet"]
+    assert cli.main([*args, "data.val_files=/d/aime24.parquet"], gather_fn=probed) == 1
+    out = capsys.readouterr().out
+    assert f"[preflight] FAIL requirements: {expected}:" in out
+    assert "flashinfer-python not installed, but sglang 0.5.12 asserts flashinfer_python >= 0.6.11.post1" in out
+    # the GPU install's transformers (verl's sglang extra pin) and SGLang's flashinfer: the override warns
+    install_metadata(tmp_path, "transformers", "5.9.0", [])
+    install_metadata(tmp_path, "flashinfer-python", "0.6.11.post1", [])
+    versions, _, conflicts = node_facts.probe_packages(paths)
+    facts = replace(
+        good_facts(cfg),
+        versions={**good_facts(cfg).versions, **versions},
+        requirement_conflicts=tuple(u for u in conflicts if u.dependent == "sglang"),
+        sglang_flashinfer_min=node_facts.sglang_flashinfer_min(paths),
+    )
+    findings = checks.check_requirements(cfg, facts)
+    assert not [f for f in findings if f.key == "flashinfer-python"]  # SGLang's floor is met
+    (override,) = [f for f in findings if "transformers" in f.message]
+    assert override.level == "warn" and override.key == "sglang"
+    assert override.message.startswith("sglang 0.5.12 requires transformers==5.6.0, installed 5.9.0: a named override")
+    assert stack.override_for("sglang", "transformers==5.6.0").reason in override.message
+    # an older flashinfer under flashinfer attention (verl's default for SGLang >= 0.5.12) fails
+    old = replace(facts, versions={**facts.versions, "flashinfer-python": "0.6.8.post1"})
+    (floor,) = failures(cfg, old, checks.check_flashinfer_floor)
+    assert "flashinfer-python 0.6.8.post1" in floor.message and ">= 0.6.11.post1" in floor.message
+    set_key(cfg, checks.SGLANG_ATTENTION_KEY, "fa3")  # another backend: SGLang does not assert it
+    assert checks.check_flashinfer_floor(cfg, old) == []
+
+
+def test_the_megatron_engines_real_import_error_is_shown(cfg: DictConfig, monkeypatch) -> None:
+    """verl's workers/engine/__init__.py swallows an ImportError of its Megatron engine; the probe
+    imports ``verl.workers.engine.megatron`` again and reports the real error and where it was
+    raised (here one import of verl's engine module blocked by a None entry in sys.modules)."""
+    errors, _ = node_facts.probe_imports()
+    assert errors[node_facts.MEGATRON_ENGINE] is None  # megatron-core 0.16.1 (CPU) imports here
+    blocked = "verl.utils.megatron.router_replay_patch"
+    for name in [m for m in sys.modules if m.startswith(node_facts.MEGATRON_ENGINE)]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setitem(sys.modules, blocked, None)
+    errors, _ = node_facts.probe_imports()
+    error = errors[node_facts.MEGATRON_ENGINE]
+    assert error.startswith(f"ModuleNotFoundError: import of {blocked} halted; None in sys.modules"), error
+    assert "verl/workers/engine/megatron/transformer_impl.py:" in error
+    assert errors["megatron.core"] is None
+    facts = replace(good_facts(cfg), import_errors={**good_facts(cfg).import_errors, node_facts.MEGATRON_ENGINE: error})
+    (found,) = failures(cfg, facts, checks.check_megatron)
+    assert error in found.message and "Unknown backend: megatron" in found.message
+
+
+@pytest.mark.extended  # tests/README.md: a fresh interpreter importing verl's Megatron engine (about 15 s)
+def test_the_driver_sees_only_unknown_backend_where_the_preflight_shows_the_import(tmp_path: Path) -> None:
+    """A fresh process with one import of verl's Megatron engine blocked (sitecustomize): verl's own
+    EngineRegistry answers only "Unknown backend: megatron", the preflight's probe the ImportError."""
+    (tmp_path / "sitecustomize.py").write_text('import sys\nsys.modules["megatron.core.models.gpt.gpt_model"] = None\n')
+    code = (
+        "import json\n"
+        "from verl_sat.preflight.facts import MEGATRON_ENGINE, probe_imports\n"
+        "errors, _ = probe_imports()\n"
+        "from verl.workers.engine import EngineRegistry\n"
+        "try:\n"
+        "    EngineRegistry.get_engine_cls('language_model', 'megatron')\n"
+        "    symptom = None\n"
+        "except AssertionError as err:\n"
+        "    symptom = str(err)\n"
+        "print(json.dumps({'engine': errors[MEGATRON_ENGINE], 'core': errors['megatron.core'], 'symptom': symptom}))\n"
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(REPO)])}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    report = json.loads(out.stdout.strip().splitlines()[-1])
+    assert report["symptom"] == "Unknown backend: megatron" and report["core"] is None
+    assert report["engine"].startswith("ModuleNotFoundError: import of megatron.core.models.gpt.gpt_model halted")
 
 
 def test_pins_are_read_from_the_installed_metadata(cfg: DictConfig, tmp_path: Path, monkeypatch) -> None:
@@ -761,6 +1132,7 @@ def test_module_imports_nothing_heavy() -> None:
         }
     assert top <= {
         "__future__",
+        "_thread",
         "argparse",
         "json",
         "math",
@@ -776,6 +1148,7 @@ def test_module_imports_nothing_heavy() -> None:
         "collections",
         "dataclasses",
         "pathlib",
+        "re",
         "typing",
         "omegaconf",
         "verl_sat.default.assets",

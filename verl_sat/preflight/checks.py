@@ -21,13 +21,14 @@ from verl_sat.preflight.estimates import (
     dtype_bytes,
     get,
     gib,
-    host_optimizer_bytes,
+    host_memory_bytes,
     is_standalone_rollout,
     kept_checkpoints,
     megatron_layout,
     optimizer_offload_fraction,
     pool_bundles,
-    rollout_buffer_bytes,
+    ray_budget_bytes,
+    ray_kill_bytes,
     rollout_pool_gpus,
     rollout_replica_gpus,
     snapshot_bytes,
@@ -39,11 +40,14 @@ from verl_sat.preflight.estimates import (
 from verl_sat.preflight.facts import (
     BRIDGES,
     MEGATRON_BRIDGE_PYTHON,
+    MEGATRON_ENGINE,
     ROUTED_EXPERTS_ARG,
+    SGLANG_ENGINE_FILE,
     STACK,
     Facts,
     Finding,
 )
+from verl_sat.preflight.stack import GPU_STACK, override_for
 
 
 # ---------------------------------------------------------------------------------------------
@@ -220,6 +224,82 @@ def check_versions(cfg: DictConfig, facts: Facts) -> list[Finding]:
     return out
 
 
+def check_requirements(cfg: DictConfig, facts: Facts) -> list[Finding]:
+    """Every declared requirement of the stack's installed packages that the installed versions do
+    not meet (``Facts.requirement_conflicts``, read as pip check reads them). A named override of the
+    GPU install (``verl_sat.preflight.stack.OVERRIDES``), with the version the install puts there
+    (``GPU_STACK``), warns with its reason; any other fails, naming the dependent, the requirement
+    and what is installed. verl-sat's own pin on verl is ``check_versions``'. With SGLang's
+    flashinfer attention, flashinfer at SGLang's own floor (``check_flashinfer_floor``)."""
+    out = []
+    for unmet in facts.requirement_conflicts:
+        if unmet.dependent == "verl-sat" and unmet.target == "verl":
+            continue  # check_versions names it, with the install line
+        override = override_for(unmet.dependent, unmet.requirement)
+        kept = GPU_STACK.get(unmet.target)
+        if override is not None and unmet.installed is not None and unmet.installed == kept:
+            message, level = f"{unmet.line()}: a named override of the GPU install ({override.reason})", "warn"
+        elif override is not None:
+            message, level = (
+                f"{unmet.line()}: the GPU install overrides this pin only with {unmet.target} {kept} "
+                f"({override.reason}); pip install '{unmet.target}=={kept}'",
+                "fail",
+            )
+        else:
+            message, level = (
+                f"{unmet.line()}: install the version it declares, or a {unmet.dependent} built for what is "
+                "installed (recipes/sat_paper/install_gpu.sh installs a set that meets it)",
+                "fail",
+            )
+        out.append(Finding("requirements", unmet.dependent, message, level))
+    return out + check_flashinfer_floor(cfg, facts)
+
+
+# verl's SGLang server (async_sglang_server.py): engine_kwargs.sglang.attention_backend, else
+# flashinfer for SGLang >= 0.5.12 on CUDA.
+SGLANG_ATTENTION_KEY = f"{ROLLOUT}.engine_kwargs.sglang.attention_backend"
+SGLANG_FLASHINFER_DEFAULT_FROM = "0.5.12"
+
+
+def sglang_attention_backend(cfg: DictConfig, sglang_version: str | None) -> str | None:
+    """The attention backend verl's SGLang server starts SGLang with (CUDA): the configured one, else
+    flashinfer for SGLang >= 0.5.12 (verl forces it there), else fa3."""
+    from packaging.version import Version
+
+    configured = get(cfg, SGLANG_ATTENTION_KEY)
+    if configured is not None:
+        return str(configured)
+    if sglang_version is None:
+        return None
+    return "flashinfer" if Version(sglang_version) >= Version(SGLANG_FLASHINFER_DEFAULT_FROM) else "fa3"
+
+
+def check_flashinfer_floor(cfg: DictConfig, facts: Facts) -> list[Finding]:
+    """With SGLang rollout on flashinfer attention, flashinfer-python >= the floor the installed SGLang
+    asserts in its own ``_set_envs_and_config``; verl replaces that function with one asserting only
+    >= 0.2.5, so an older flashinfer would otherwise run unchecked."""
+    from packaging.version import Version
+
+    floor, sglang = facts.sglang_flashinfer_min, facts.versions.get("sglang")
+    if str(get(cfg, f"{ROLLOUT}.name", "")) != "sglang" or floor is None:
+        return []
+    backend = sglang_attention_backend(cfg, sglang)
+    have = facts.versions.get("flashinfer-python")
+    if backend != "flashinfer" or (have is not None and Version(have) >= Version(floor)):
+        return []
+    why = f"{SGLANG_ATTENTION_KEY}={backend}" if get(cfg, SGLANG_ATTENTION_KEY) else "verl's default for it"
+    return [
+        Finding(
+            "requirements",
+            "flashinfer-python",
+            f"flashinfer-python {have or 'not installed'}, but sglang {sglang} asserts flashinfer_python >= {floor} "
+            f"for flashinfer attention ({why}; {SGLANG_ENGINE_FILE}, _set_envs_and_config), a check verl's "
+            f"replacement of that function lowers to 0.2.5: pip install 'flashinfer-python=={floor}' "
+            f"'flashinfer-cubin=={floor}'",
+        )
+    ]
+
+
 # The keys whose false value makes verl's Megatron engine pad the batch (bshd), where R3 fails with
 # "Router replay tensors are not aligned": verl's engine workers copy the model's key onto the
 # engine config (engine_workers.py), the engine's own key is the same setting.
@@ -393,16 +473,7 @@ def bridge_findings(cfg: DictConfig, facts: Facts) -> list[Finding]:
                 level="warn",
             )
         )
-    for unmet in facts.requirement_conflicts.get(package, ()):
-        out.append(
-            Finding(
-                "megatron",
-                package,
-                f"{package} {have} requires {unmet}: install the versions it declares, or a {package} "
-                f"built for them ({MEGATRON_INSTALL})",
-            )
-        )
-    return out
+    return out  # its declared requirements: check_requirements
 
 
 def check_megatron(cfg: DictConfig, facts: Facts) -> list[Finding]:
@@ -424,7 +495,24 @@ def check_megatron(cfg: DictConfig, facts: Facts) -> list[Finding]:
                     f"{module} does not import ({error}); {why} needs it: install {package} ({MEGATRON_INSTALL})",
                 )
             )
-    return out + bridge_findings(cfg, facts)
+    return out + bridge_findings(cfg, facts) + engine_findings(facts)
+
+
+def engine_findings(facts: Facts) -> list[Finding]:
+    """verl's Megatron engine imports: verl's ``workers/engine/__init__.py`` turns its ImportError
+    into a warning, and the launch then stops with only "Unknown backend: megatron"."""
+    error = facts.import_errors.get(MEGATRON_ENGINE)
+    if error is None:
+        return []
+    return [
+        Finding(
+            "megatron",
+            "actor_rollout_ref.actor.strategy",
+            f"{MEGATRON_ENGINE} does not import: {error}. verl's workers/engine/__init__.py turns this into a "
+            'warning and the launch then fails with only "Unknown backend: megatron"; fix the import above '
+            f"({MEGATRON_INSTALL})",
+        )
+    ]
 
 
 def max_position_embeddings(cfg: DictConfig, config: dict[str, Any]) -> int | None:
@@ -541,50 +629,61 @@ def unknown_size(check: str) -> Finding:
 
 
 def check_host_memory(cfg: DictConfig, facts: Facts) -> list[Finding]:
-    """Available host memory >= the offloaded optimizer (``host_optimizer_bytes``) + TransferQueue's
-    rollout buffer at its largest, R3's routes included (``rollout_buffer_bytes``)."""
+    """The node's host memory at the worst case (``host_memory_bytes``: the offloaded optimizer,
+    TransferQueue's rollout buffer with R3's routes, and each trainer rank's copy of the optimizer
+    batch) fits under Ray's memory-kill threshold (``ray_budget_bytes``), not merely in RAM."""
     if facts.host_mem_available_bytes is None:
         return []
     params = facts.model.params
     fraction = optimizer_offload_fraction(cfg)
-    buffer = rollout_buffer_bytes(cfg, facts.model.config)
+    need = host_memory_bytes(cfg, params, facts.model.config)
     out = []
     if fraction > 0 and params is None:
         out.append(unknown_size("host_memory"))
-    if buffer is None:
-        out.append(
+    if need is None:
+        return out + [
             Finding(
                 "host_memory",
                 "actor_rollout_ref.model.path",
                 "R3's routes not estimated: config.json has no num_hidden_layers / num_experts_per_tok",
                 level="warn",
             )
-        )
-    optimizer = host_optimizer_bytes(cfg, params) if fraction > 0 and params is not None else 0
-    held = buffer["total"] if buffer else 0
-    if facts.host_mem_available_bytes >= optimizer + held:
+        ]
+    total = facts.host_mem_total_bytes or facts.host_mem_available_bytes
+    budget = ray_budget_bytes(
+        total, facts.host_mem_available_bytes, facts.ray_memory_threshold, facts.ray_min_memory_free_bytes
+    )
+    if need["total"] <= budget:
         return out
-    per = adam_bytes_per_param(cfg, bool(get(cfg, f"{OPTIM}.override_optimizer_config.optimizer_cpu_offload")))
+    buffer, copies = need["buffer_detail"], need["copies_detail"]
     parts = []
-    if optimizer:
-        parts.append(f"offloaded optimizer {params / 1e9:.1f}e9 params × {fraction} × {per} B = {gib(optimizer)}")
-    if buffer:
+    if need["optimizer"]:
+        per = adam_bytes_per_param(cfg, bool(get(cfg, f"{OPTIM}.override_optimizer_config.optimizer_cpu_offload")))
         parts.append(
-            f"rollout buffer {buffer['samples']} samples (data.train_batch_size + {warmup_prompts(cfg)} warm-up "
-            f"prompts, × rollout.n) × "
-            f"{buffer['per_sample'] / 2**20:.1f} MiB at full length = {gib(held)}, of which R3's routes "
-            f"{gib(buffer['routes'])}"
+            f"offloaded optimizer {params / 1e9:.1f}e9 params × {fraction} × {per} B = {gib(need['optimizer'])}"
         )
+    parts.append(
+        f"rollout buffer {buffer['samples']} samples (data.train_batch_size + {warmup_prompts(cfg)} warm-up "
+        f"prompts, × rollout.n) × {buffer['per_sample'] / 2**20:.1f} MiB at full length = {gib(need['buffer'])}, of "
+        f"which R3's routes {gib(need['routes'])}"
+    )
+    parts.append(
+        f"{copies['ranks']} trainer ranks' copies of the optimizer batch (DP {copies['dp']}: each rank fetches "
+        f"{copies['samples_per_rank']} samples × {copies['per_sample'] / 2**20:.1f} MiB through TransferQueue) = "
+        f"{gib(need['rank_copies'])}"
+    )
+    kill = ray_kill_bytes(total, facts.ray_memory_threshold, facts.ray_min_memory_free_bytes)
+    in_use = total - facts.host_mem_available_bytes
     fraction_key = f"{OPTIM}.override_optimizer_config.optimizer_offload_fraction"
-    key = fraction_key if optimizer > held else "data.max_response_length"
+    key = fraction_key if need["optimizer"] > need["buffer"] + need["rank_copies"] else "data.max_response_length"
     return out + [
         Finding(
             "host_memory",
             key,
-            f"{' + '.join(parts)}{f' = {gib(optimizer + held)}' if len(parts) > 1 else ''} of host memory, "
-            f"{gib(facts.host_mem_available_bytes)} "
-            f"available; use a node with more memory, or lower {OPTIM}.override_optimizer_config."
-            "optimizer_offload_fraction / data.max_response_length / the lag",
+            f"{' + '.join(parts)} = {gib(need['total'])} of host memory, but Ray kills a worker once the node "
+            f"uses {gib(kill)} (RAY_memory_usage_threshold={facts.ray_memory_threshold} of {gib(total)}) and "
+            f"{gib(in_use)} is in use now, leaving {gib(max(budget, 0))}; use a node with more memory, or lower "
+            f"{OPTIM}.override_optimizer_config.optimizer_offload_fraction / data.max_response_length / the lag",
         )
     ]
 
@@ -689,6 +788,7 @@ CHECKS: tuple[Callable[[DictConfig, Facts], list[Finding]], ...] = (
     check_parallel_layout,
     check_gpu_memory,
     check_versions,
+    check_requirements,
     check_routing_replay,
     check_checkpoint_engine,
     check_megatron,
@@ -710,7 +810,7 @@ def run_checks(cfg: DictConfig, facts: Facts) -> list[Finding]:
 # on a cluster (docs/cluster.md): each node's own resources, and what the nodes must share
 # ---------------------------------------------------------------------------------------------
 # The checks that read only one node's resources; on a cluster they run on each node's facts.
-NODE_CHECKS = (check_gpu_memory, check_host_memory, check_disk)
+NODE_CHECKS = (check_gpu_memory, check_host_memory, check_disk, check_requirements)
 
 
 def check_each_node(cfg: DictConfig, facts: dict[Node, Facts]) -> list[Finding]:

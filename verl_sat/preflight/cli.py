@@ -2,6 +2,7 @@
 
     python -m verl_sat.preflight [<method> <lag>] [overrides...] [--run-dir DIR] [--json]
                                  [--config-name NAME] [--address ADDR]
+    python -m verl_sat.preflight --memory-table [overrides...]
 
 resolves the run as the launch does (a cell of the paper's grid, else ``--config-name`` composed
 with the overrides), gathers the facts (``verl_sat.preflight.facts.gather``) and runs the checks.
@@ -11,6 +12,7 @@ pinned to each node, then ``run_cluster_checks`` (each node's memory and disk, t
 every node, GPU slots, verl's pools on the nodes, the paths every node must see). One line per
 finding and a verdict; the exit code is 1 when any check fails. The arguments are read by Hydra's
 own parser, as the launch reads them; Hydra's flags (``--cfg job``, ...) are left to Hydra with a note.
+``--memory-table`` prints docs/reproduce.md's host-memory table instead (``memory_rows``).
 """
 
 from __future__ import annotations
@@ -25,13 +27,21 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 
 from verl_sat.preflight.checks import CHECKS, run_checks, run_cluster_checks
-from verl_sat.preflight.cluster import Node, alive_nodes, cluster_address, on_each_node, paths_on_nodes
-from verl_sat.preflight.estimates import get
-from verl_sat.preflight.facts import Facts, Finding, gather
+from verl_sat.preflight.cluster import Node, alive_nodes, cluster_address, connect, on_each_node, paths_on_nodes
+from verl_sat.preflight.estimates import get, host_memory_bytes
+from verl_sat.preflight.facts import RAY_MEMORY_USAGE_THRESHOLD, Facts, Finding, ModelFacts, gather, probe_model
 
 # The arguments that are the preflight's own; every other flag Hydra's parser knows (``--cfg job``,
 # ``--resolve``, ``--info``, ...) changes what Hydra prints, not the run, and is left to Hydra.
-OWN_DESTS = frozenset({"overrides", "help", "config_name", "run_dir", "json", "address"})
+OWN_DESTS = frozenset({"overrides", "help", "config_name", "run_dir", "json", "address", "memory_table"})
+# The rows of docs/reproduce.md's host-memory table: (row, method, lag), the paper's cells with and
+# without R3 at both lags.
+MEMORY_CELLS = (
+    ("lag 1, R3", "sat_gspo_r3", 1),
+    ("lag 1, no R3", "sat_gspo", 1),
+    ("lag 8, R3", "sat_gspo_r3", 8),
+    ("lag 8, no R3", "sat_gspo", 8),
+)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -80,6 +90,59 @@ def shared_dirs(cfg: DictConfig) -> dict[str, Path]:
 
 
 # ---------------------------------------------------------------------------------------------
+# docs/reproduce.md's host-memory table
+# ---------------------------------------------------------------------------------------------
+def decimal_size(n: float) -> str:
+    """Bytes as the docs write them: ``488 GB`` below a terabyte, ``1.15 TB`` above."""
+    return f"{n / 1e9:.0f} GB" if n < 1e12 else f"{n / 1e12:.2f} TB"
+
+
+def memory_rows(overrides: Sequence[str] = ()) -> list[dict]:
+    """docs/reproduce.md's host-memory rows (``MEMORY_CELLS``), each computed by the preflight's own
+    estimates on the cell resolved as the launch resolves it with ``overrides``: ``host_memory_bytes``
+    (the sum ``check_host_memory`` compares with a node), ``rollout_buffer_bytes`` and
+    ``rank_copy_bytes``; the model's parameters and layers are read from its local ``config.json``
+    (``actor_rollout_ref.model.path``)."""
+    rows: list[dict] = []
+    models: dict[str, ModelFacts] = {}
+    for row, method, lag in MEMORY_CELLS:
+        cfg = resolve(method, lag, overrides)
+        path = str(get(cfg, "actor_rollout_ref.model.path", ""))
+        if path not in models:
+            models[path] = probe_model(path)  # once per model: transformers builds it on the meta device
+        model = models[path]
+        if model.config is None or model.params is None:
+            raise ValueError(
+                f"actor_rollout_ref.model.path={path}: no local config.json transformers can build; pass "
+                "actor_rollout_ref.model.path=DIR (e.g. tests/fixtures/qwen3_30b_a3b_base)"
+            )
+        need = host_memory_bytes(cfg, model.params, model.config)
+        assert need is not None  # the layers are in config.json
+        buffer, copies = need["buffer_detail"], need["copies_detail"]
+        rows.append({"row": row, "method": method, "lag": lag, "need": need, "buffer": buffer, "copies": copies})
+    return rows
+
+
+def memory_table(rows: Sequence[dict], threshold: float = RAY_MEMORY_USAGE_THRESHOLD) -> list[str]:
+    """``memory_rows`` as docs/reproduce.md's markdown table; the last column is the RAM a node needs
+    for the total to stay under Ray's memory-kill threshold: total / threshold."""
+    lines = [
+        "| cell | offloaded Adam | rollout buffer (of which R3 routes) | trainer ranks' batch copies | total "
+        f"| RAM under Ray's {threshold:g} threshold |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        need, copies = r["need"], r["copies"]
+        held = decimal_size(need["buffer"]) + (f" ({decimal_size(need['routes'])})" if need["routes"] else "")
+        ranks = f"{copies['ranks']} × {decimal_size(copies['per_rank'])} = {decimal_size(need['rank_copies'])}"
+        lines.append(
+            f"| {r['row']} | {decimal_size(need['optimizer'])} | {held} | {ranks} | {decimal_size(need['total'])} "
+            f"| {decimal_size(need['total'] / threshold)} |"
+        )
+    return lines
+
+
+# ---------------------------------------------------------------------------------------------
 # output
 # ---------------------------------------------------------------------------------------------
 def verdict(findings: Sequence[Finding], over: str, prefix: str = "[preflight]") -> str:
@@ -111,6 +174,11 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--json", action="store_true", help="print findings and facts as JSON")
     parser.add_argument(
         "--address", default=None, help="a Ray cluster (default: ray_kwargs.ray_init.address, else RAY_ADDRESS)"
+    )
+    parser.add_argument(
+        "--memory-table",
+        action="store_true",
+        help="print docs/reproduce.md's host-memory table (overrides: actor_rollout_ref.model.path=DIR)",
     )
     return parser
 
@@ -160,7 +228,7 @@ def on_the_cluster(cfg: DictConfig, address: str, as_json: bool) -> bool:
     """``gather`` on every node of the cluster at ``address``, then the cluster checks."""
     import ray
 
-    ray.init(address=address, log_to_driver=False, logging_level="ERROR")
+    connect(address)  # Ray's token authentication as the job joins (verl_sat.preflight.cluster.connect)
     try:
         nodes = alive_nodes()
         facts: dict[Node, Facts] = on_each_node(gather, cfg, nodes=nodes)
@@ -185,6 +253,9 @@ def main(argv: Sequence[str] | None = None, gather_fn: Callable[[DictConfig], Fa
         return 0
     if left := hydra_flags(parser, args):  # run.sh forwards the launch's arguments, Hydra's flags too
         print(f"[preflight] left to Hydra: {' '.join(left)}", file=sys.stderr)
+    if args.memory_table:
+        print("\n".join(memory_table(memory_rows(args.overrides))))
+        return 0
     method, lag, overrides = split_cell(args.overrides)
     cfg = resolve(method, lag, overrides, args.run_dir, args.config_name or "sat_gspo_cpu")
     address = args.address or cluster_address(cfg)

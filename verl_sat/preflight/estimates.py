@@ -1,7 +1,7 @@
 """The preflight's config helpers and estimates (docs/reproduce.md, "Host memory"): the keys the
-checks read, and the sizes they compare with a node's facts (``host_optimizer_bytes``,
-``rollout_buffer_bytes``, ``warmup_prompts``, ``checkpoint_bytes``, ``snapshot_bytes``,
-``trainer_gpu_bytes``). Where verl computes a number itself (the warm-up prompts, the fields a
+checks read, and the sizes they compare with a node's facts (``host_memory_bytes``: the offloaded
+optimizer, ``rollout_buffer_bytes`` and ``rank_copy_bytes``; ``warmup_prompts``, ``checkpoint_bytes``,
+``snapshot_bytes``, ``trainer_gpu_bytes``). Where verl computes a number itself (the warm-up prompts, the fields a
 step writes back), its own code is called."""
 
 from __future__ import annotations
@@ -222,6 +222,109 @@ def rollout_buffer_bytes(cfg: DictConfig, config: dict[str, Any] | None) -> dict
         "routes": samples * sequence * routes_per_token,
         "total": samples * per_sample,
     }
+
+
+def parameter_sync_step(cfg: DictConfig) -> int:
+    """Optimizer steps per global step, as verl's ``PPOTrainer.__init__`` reads it
+    (``trainer.v1.<mode>.parameter_sync_step``, 1 when unset)."""
+    return int(get(cfg, f"trainer.v1.{base_mode(cfg)}.parameter_sync_step", 1))
+
+
+def optimizer_batch_samples(cfg: DictConfig) -> int:
+    """Samples of one optimizer step's batch: verl's ``step`` samples ``data.train_batch_size //
+    parameter_sync_step`` prompts for each local update (``_step_once``), × ``rollout.n``."""
+    return int(get(cfg, "data.train_batch_size", 0)) // parameter_sync_step(cfg) * int(get(cfg, f"{ROLLOUT}.n", 1))
+
+
+def data_parallel_size(cfg: DictConfig) -> int:
+    """The trainer's data-parallel size, the ``dp_size`` verl's dispatch splits a batch into
+    (``max(dp_rank_mapping) + 1`` over the engine's ``get_data_parallel_rank``).
+
+    Megatron: trainer GPUs // (TP × PP × CP), as megatron.core's ``initialize_model_parallel``
+    (expert parallelism does not enter it), and 1 with ``dynamic_context_parallel`` (verl's engine);
+    FSDP: trainer GPUs // ``ulysses_sequence_parallel_size``.
+    """
+    gpus = trainer_gpus(cfg)
+    if str(get(cfg, "actor_rollout_ref.actor.strategy", "")) == "megatron":
+        if bool(get(cfg, f"{MEGATRON}.dynamic_context_parallel", False)):
+            return 1
+        lay = megatron_layout(cfg)
+        return max(1, gpus // (lay["tp"] * lay["pp"] * lay["cp"]))
+    return max(1, gpus // int(get(cfg, "actor_rollout_ref.actor.fsdp_config.ulysses_sequence_parallel_size", 1)))
+
+
+def rank_copy_bytes(
+    cfg: DictConfig, config: dict[str, Any] | None, buffer: dict[str, int] | None = None
+) -> dict[str, int] | None:
+    """The optimizer batch as the trainer ranks of one node hold it in host memory.
+
+    verl's dispatch (``single_controller/base/decorator.py``) splits the batch handle into DP
+    chunks and hands rank r the chunk of its DP rank; ``tqbridge`` (``utils/transferqueue_utils.py``)
+    then fetches that chunk's samples, every field (``fields=None``: routes included), in the
+    rank's own process. So each of the node's ``trainer.n_gpus_per_node`` ranks holds
+    ceil(optimizer batch / DP) samples, at DP 1 the whole batch, one copy per rank:
+
+    total = ranks × ceil(optimizer_batch_samples / DP) × (rollout-buffer sample + write-backs)
+
+    with the write-backs the step put on the batch before ``update_actor`` fetches it
+    (``step_writeback_fields``, 4 B a response token each). None when R3's routes are unknown;
+    ``buffer``: ``rollout_buffer_bytes`` when already computed.
+    """
+    buffer = rollout_buffer_bytes(cfg, config) if buffer is None else buffer
+    if buffer is None:
+        return None
+    response = int(get(cfg, "data.max_response_length", 0))
+    per_sample = buffer["per_sample"] + response * WRITEBACK_BYTES_PER_RESPONSE_TOKEN * len(step_writeback_fields(cfg))
+    ranks, dp = int(get(cfg, "trainer.n_gpus_per_node", 0)), data_parallel_size(cfg)
+    samples = -(-optimizer_batch_samples(cfg) // dp)
+    return {
+        "ranks": ranks,
+        "dp": dp,
+        "samples_per_rank": samples,
+        "per_sample": per_sample,
+        "per_rank": samples * per_sample,
+        "total": ranks * samples * per_sample,
+    }
+
+
+def host_memory_bytes(cfg: DictConfig, params: int | None, config: dict[str, Any] | None) -> dict[str, Any] | None:
+    """One node's host memory at the worst case (every response at its maximum):
+
+    total = offloaded optimizer (``host_optimizer_bytes``; 0 without offload or unknown params)
+          + the rollout buffer (``rollout_buffer_bytes``, R3's routes included)
+          + the trainer ranks' copies of the optimizer batch (``rank_copy_bytes``).
+
+    Returns those bytes (optimizer, buffer, routes, rank_copies, total) and the two estimates'
+    own dicts (buffer_detail, copies_detail); None when R3's routes are unknown.
+    """
+    buffer = rollout_buffer_bytes(cfg, config)
+    copies = rank_copy_bytes(cfg, config, buffer) if buffer is not None else None
+    if buffer is None or copies is None:
+        return None
+    optimizer = host_optimizer_bytes(cfg, params) if params is not None else 0
+    return {
+        "optimizer": optimizer,
+        "buffer": buffer["total"],
+        "routes": buffer["routes"],
+        "rank_copies": copies["total"],
+        "total": optimizer + buffer["total"] + copies["total"],
+        "buffer_detail": buffer,
+        "copies_detail": copies,
+    }
+
+
+def ray_kill_bytes(total: int, threshold: float, min_free: int = -1) -> int:
+    """The node's used memory above which Ray's memory monitor kills a worker (Ray's
+    ``MemoryMonitorUtils::GetMemoryThreshold``): threshold × total, or with
+    ``RAY_min_memory_free_bytes`` set (>= 0) max(threshold × total, total − min_free)."""
+    fraction = int(total * threshold)
+    return max(fraction, total - min_free) if min_free >= 0 else fraction
+
+
+def ray_budget_bytes(total: int, available: int, threshold: float, min_free: int = -1) -> int:
+    """Host memory a job may still take before Ray kills a worker: Ray's used memory is
+    MemTotal − MemAvailable (``GetLinuxMemoryBytes``), so budget = ``ray_kill_bytes`` − (total − available)."""
+    return ray_kill_bytes(total, threshold, min_free) - (total - available)
 
 
 def step_writeback_fields(cfg: DictConfig) -> tuple[str, ...]:

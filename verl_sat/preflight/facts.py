@@ -3,7 +3,8 @@ node, here or in a Ray task pinned to each node of a cluster (``verl_sat.preflig
 
 Each fact comes from the library that owns it: GPUs from NVML (``pynvml``: no CUDA context is
 opened), installed versions and their declared requirements from ``importlib.metadata`` read with
-``packaging`` as ``pip check`` reads them, host memory from ``psutil``, the weight-sync backends from
+``packaging`` as ``pip check`` reads them, SGLang's own flashinfer floor from its source, host memory
+from ``psutil`` and Ray's memory-kill threshold from the environment Ray reads it from, the weight-sync backends from
 verl's ``CheckpointEngineRegistry``, the reward function loaded as verl loads it. torch, sglang,
 megatron, pyarrow and transformers are imported inside the functions only.
 """
@@ -21,6 +22,7 @@ from typing import Any
 from omegaconf import DictConfig
 
 from verl_sat.preflight.estimates import as_list, get
+from verl_sat.preflight.stack import GPU_STACK
 
 # The pins are read from the installed metadata, never retyped: the verl verl-sat requires
 # (pyproject.toml), the sglang and Megatron-Bridge verl's `sglang` / `megatron` extras pin.
@@ -35,24 +37,79 @@ ROUTED_EXPERTS_ARG = "enable_return_routed_experts"
 # verl.models.mcore.bridge -> `from megatron.bridge import AutoBridge`; true ->
 # verl.models.mcore.mbridge -> `from mbridge import AutoBridge`. module -> distribution.
 BRIDGES = {"megatron.bridge": "megatron-bridge", "mbridge": "mbridge"}
+# verl's Megatron engine: verl's workers/engine/__init__.py turns its ImportError into a warning,
+# and the launch then fails with only "Unknown backend: megatron"; the probe imports it itself.
+MEGATRON_ENGINE = "verl.workers.engine.megatron"
 # Modules imported by the probe; None in Facts.import_errors means the import worked.
-PROBED_MODULES = ("megatron.core", "megatron.bridge", "mbridge", "transformer_engine", "sglang.srt.server_args")
-# The stack: distributions whose versions are recorded (and compared across a cluster's nodes), and
-# whose declared requirements on one another are checked against what is installed.
-STACK = (
-    "torch",
-    "verl",
-    "verl-sat",
-    "ray",
-    "transformers",
-    "vllm",
-    "sglang",
-    "flashinfer-python",
-    "megatron-core",
-    "megatron-bridge",
+PROBED_MODULES = (
+    "megatron.core",
+    "megatron.bridge",
     "mbridge",
-    "transformer-engine",
+    "transformer_engine",
+    "sglang.srt.server_args",
+    MEGATRON_ENGINE,
 )
+# The stack: distributions whose versions are recorded (and compared across a cluster's nodes), and
+# whose declared requirements are checked against what is installed: verl-sat's own, then every
+# package of the GPU install (``verl_sat.preflight.stack.GPU_STACK``).
+STACK = tuple(
+    dict.fromkeys(
+        (
+            "torch",
+            "verl",
+            "verl-sat",
+            "ray",
+            "transformers",
+            "vllm",
+            "sglang",
+            "flashinfer-python",
+            "megatron-core",
+            "megatron-bridge",
+            "mbridge",
+            "transformer-engine",
+            *GPU_STACK,
+        )
+    )
+)
+# SGLang's own check of flashinfer: ``assert_pkg_version("flashinfer_python", <floor>, ...)`` in
+# ``_set_envs_and_config`` of this file (verl replaces that function with one asserting >= 0.2.5).
+SGLANG_ENGINE_FILE = "sglang/srt/entrypoints/engine.py"
+# Ray's memory monitor kills a worker when the node's used memory passes this fraction of its RAM
+# (Ray's C++ config ``memory_usage_threshold``, src/ray/common/ray_config_def.h; the raylet logs it
+# as "ThresholdMemoryMonitor initialized with usage threshold at N bytes (95.000000% of system
+# memory)"), overridden by RAY_memory_usage_threshold; RAY_memory_monitor_refresh_ms=0 turns the
+# killing off.
+RAY_MEMORY_USAGE_THRESHOLD = 0.95
+
+
+@dataclass(frozen=True)
+class Unmet:
+    """One declared requirement of an installed distribution that the installed packages do not meet
+    (pip check's "has requirement X, but you have X v" / "requires X, which is not installed").
+
+    Args:
+        dependent: the distribution declaring it (canonical name), at ``version``.
+        requirement: the requirement as declared (``transformers==5.6.0``).
+        installed: the version installed of the required distribution, None when not installed.
+    """
+
+    dependent: str
+    version: str
+    requirement: str
+    installed: str | None
+
+    @property
+    def target(self) -> str:
+        """The required distribution's canonical name."""
+        from packaging.requirements import Requirement
+        from packaging.utils import canonicalize_name
+
+        return canonicalize_name(Requirement(self.requirement).name)
+
+    def line(self) -> str:
+        """``sglang 0.5.12 requires transformers==5.6.0, installed 5.10.0``."""
+        have = f"installed {self.installed}" if self.installed is not None else "not installed"
+        return f"{self.dependent} {self.version} requires {self.requirement}, {have}"
 
 
 @dataclass(frozen=True)
@@ -102,15 +159,21 @@ class Facts:
         versions: distribution of ``STACK`` -> installed version (None: not installed).
         extra_pins: ``verl-sat`` (its own requirements) or an extra of the installed verl
             (``sglang``, ``megatron``) -> distribution -> the version it pins with ``==``.
-        requirement_conflicts: distribution -> its declared requirements on ``STACK`` that the
-            installed versions do not meet, one line each (``transformers<5.9.0 (5.9.0 installed)``).
-        import_errors: module -> None when it imports, else the error's one-line text.
+        requirement_conflicts: the declared requirements of ``STACK``'s installed distributions that
+            the installed packages do not meet (``Unmet``), as pip check finds them.
+        sglang_flashinfer_min: the flashinfer floor the installed SGLang asserts itself
+            (``SGLANG_ENGINE_FILE``), None without SGLang or without such an assert.
+        import_errors: module -> None when it imports, else the error's one-line text (for
+            ``MEGATRON_ENGINE``, with the place it was raised).
         sglang_routed_experts: whether SGLang's ``ServerArgs`` has ``ROUTED_EXPERTS_ARG`` (None:
             not importable).
         checkpoint_engines: backends registered in verl's ``CheckpointEngineRegistry``, sorted.
         checkpoint_engine_errors: verl's recorded import errors of its engine modules.
         cupy_distributions: installed ``cupy*`` distributions (e.g. ``cupy-cuda12x``).
         host_mem_available_bytes, host_mem_total_bytes: ``psutil.virtual_memory()``.
+        ray_memory_threshold, ray_min_memory_free_bytes: where Ray's memory monitor kills a worker
+            on this node (``ray_memory_threshold``: a fraction of RAM, 1.0 with the monitor off;
+            ``RAY_min_memory_free_bytes``, -1 when unset).
         disk_free_bytes: free bytes on the file system of ``trainer.default_local_dir``.
         model: the model path's local files.
         data_schemas: data file -> {column: struct field names}, or a string saying why not.
@@ -125,7 +188,8 @@ class Facts:
     python: tuple[int, int] = (3, 12)
     versions: dict[str, str | None] = field(default_factory=dict)
     extra_pins: dict[str, dict[str, str]] = field(default_factory=dict)
-    requirement_conflicts: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    requirement_conflicts: tuple[Unmet, ...] = ()
+    sglang_flashinfer_min: str | None = None
     import_errors: dict[str, str | None] = field(default_factory=dict)
     sglang_routed_experts: bool | None = None
     checkpoint_engines: tuple[str, ...] = ()
@@ -133,6 +197,8 @@ class Facts:
     cupy_distributions: tuple[str, ...] = ()
     host_mem_available_bytes: int | None = None
     host_mem_total_bytes: int | None = None
+    ray_memory_threshold: float = RAY_MEMORY_USAGE_THRESHOLD
+    ray_min_memory_free_bytes: int = -1
     disk_free_bytes: int | None = None
     model: ModelFacts = field(default_factory=ModelFacts)
     data_schemas: dict[str, dict[str, tuple[str, ...]] | str] = field(default_factory=dict)
@@ -207,28 +273,42 @@ def probe_gpus() -> tuple[tuple[GPU, ...], str | None, str | None]:
 # ---------------------------------------------------------------------------------------------
 # packages: importlib.metadata, read as pip check reads it
 # ---------------------------------------------------------------------------------------------
-def installed_version(name: str) -> str | None:
+def distribution(name: str, paths: Sequence[str] | None = None) -> Any | None:
+    """The installed distribution ``name`` as ``importlib.metadata`` finds it first on ``paths``
+    (default: ``sys.path``), or None."""
     from importlib import metadata
 
-    try:
-        return metadata.version(name)
-    except metadata.PackageNotFoundError:
-        return None
+    return next(iter(metadata.distributions(name=name, path=list(sys.path if paths is None else paths))), None)
 
 
-def requirements(name: str, extra: str = "") -> list[Any]:
+def installed_version(name: str, paths: Sequence[str] | None = None) -> str | None:
+    found = distribution(name, paths)
+    return None if found is None else found.version
+
+
+def installed_versions(paths: Sequence[str] | None = None) -> dict[str, str]:
+    """Every installed distribution (canonical name) -> version, the first on ``paths`` winning, as
+    imports see them."""
+    from importlib import metadata
+
+    from packaging.utils import canonicalize_name
+
+    out: dict[str, str] = {}
+    for dist in metadata.distributions(path=list(sys.path if paths is None else paths)):
+        name = dist.metadata["Name"]
+        if name:
+            out.setdefault(canonicalize_name(name), dist.version)
+    return out
+
+
+def requirements(name: str, extra: str = "", paths: Sequence[str] | None = None) -> list[Any]:
     """``name``'s declared requirements (``packaging`` ``Requirement``) whose marker holds on this
     interpreter for ``extra`` ('' : the base install), as pip evaluates them; [] when not installed."""
-    from importlib import metadata
-
     from packaging.requirements import InvalidRequirement, Requirement
 
-    try:
-        lines = metadata.requires(name) or []
-    except metadata.PackageNotFoundError:
-        return []
+    found = distribution(name, paths)
     out = []
-    for line in lines:
+    for line in (found.requires or []) if found is not None else []:
         try:
             req = Requirement(line)
         except InvalidRequirement:
@@ -240,36 +320,109 @@ def requirements(name: str, extra: str = "") -> list[Any]:
     return out
 
 
-def unmet(reqs: Sequence[Any], installed: dict[str, str | None]) -> tuple[str, ...]:
-    """The requirements on ``installed``'s distributions that their installed versions do not meet
-    (pip check's "has requirement X, but you have X v"). One not installed is left to the import checks."""
+def unmet(dependent: str, reqs: Sequence[Any], installed: dict[str, str]) -> tuple[Unmet, ...]:
+    """The requirements of ``dependent`` (name, version) that ``installed`` does not meet: another
+    version (pip check's "has requirement X, but you have X v"), or, for a distribution of
+    ``STACK``, none at all ("requires X, which is not installed"). A missing distribution outside the
+    stack is left to the import checks."""
     from packaging.utils import canonicalize_name
 
+    name = canonicalize_name(dependent)
     out = []
     for req in reqs:
-        have = installed.get(canonicalize_name(req.name))
-        if have is not None and req.specifier and not req.specifier.contains(have, prereleases=True):
-            out.append(f"{canonicalize_name(req.name)}{req.specifier} ({have} installed)")
+        target = canonicalize_name(req.name)
+        have = installed.get(target)
+        if have is None and target in STACK:
+            out.append(Unmet(name, installed[name], str(req), None))
+        elif have is not None and req.specifier and not req.specifier.contains(have, prereleases=True):
+            out.append(Unmet(name, installed[name], str(req), have))
     return tuple(out)
 
 
-def probe_packages() -> tuple[dict[str, str | None], dict[str, dict[str, str]], dict[str, tuple[str, ...]]]:
-    """Versions of ``STACK``, the ``==`` pins of ``PINNED_BY``, and each installed distribution's
-    unmet requirements on the others."""
-    versions = {name: installed_version(name) for name in STACK}
+def probe_packages(
+    paths: Sequence[str] | None = None,
+) -> tuple[dict[str, str | None], dict[str, dict[str, str]], tuple[Unmet, ...]]:
+    """Versions of ``STACK``, the ``==`` pins of ``PINNED_BY``, and every declared requirement of an
+    installed distribution of ``STACK`` that the installed packages do not meet (``unmet``), all
+    read from the distributions on ``paths`` (default ``sys.path``)."""
+    installed = installed_versions(paths)
+    versions: dict[str, str | None] = {name: installed.get(name) for name in STACK}
     pins = {
         key: {
             str(req.name).lower(): next(iter(req.specifier)).version
-            for req in requirements(name, extra)
+            for req in requirements(name, extra, paths)
             if len(req.specifier) == 1 and next(iter(req.specifier)).operator == "=="
         }
         for key, (name, extra) in PINNED_BY.items()
     }
-    conflicts = {}
-    for name in STACK:
-        if versions[name] is not None and (found := unmet(requirements(name), versions)):
-            conflicts[name] = found
+    conflicts = tuple(
+        found
+        for name in STACK
+        if versions[name] is not None
+        for found in unmet(name, requirements(name, "", paths), installed)
+    )
     return versions, pins, conflicts
+
+
+def sglang_flashinfer_min(paths: Sequence[str] | None = None) -> str | None:
+    """The flashinfer floor the installed SGLang asserts in its own ``_set_envs_and_config``
+    (``assert_pkg_version("flashinfer_python", <floor>, ...)`` in ``SGLANG_ENGINE_FILE``), read from
+    its source without importing it; None without SGLang, its file, or such a call."""
+    import ast
+
+    found = distribution("sglang", paths)
+    source = Path(str(found.locate_file(SGLANG_ENGINE_FILE))) if found is not None else None
+    if source is None or not source.is_file():
+        return None
+    tree = ast.parse(source.read_text())
+    for function in ast.walk(tree):
+        if not (isinstance(function, ast.FunctionDef) and function.name == "_set_envs_and_config"):
+            continue
+        for call in ast.walk(function):
+            if (
+                isinstance(call, ast.Call)
+                and getattr(call.func, "id", getattr(call.func, "attr", None)) == "assert_pkg_version"
+                and len(call.args) >= 2
+                and all(isinstance(a, ast.Constant) for a in call.args[:2])
+                and call.args[0].value == "flashinfer_python"
+            ):
+                return str(call.args[1].value)
+    return None
+
+
+def ray_min_memory_free(environ: dict[str, str] | None = None) -> int:
+    """``RAY_min_memory_free_bytes`` (Ray's ``min_memory_free_bytes``; -1, unset, by default)."""
+    import os
+
+    value = (os.environ if environ is None else environ).get("RAY_min_memory_free_bytes", "").strip()
+    try:
+        return int(value) if value else -1
+    except ValueError:
+        raise ValueError(f"RAY_min_memory_free_bytes={value!r} is not a whole number of bytes") from None
+
+
+def ray_memory_threshold(environ: dict[str, str] | None = None) -> float:
+    """The fraction of a node's RAM above which Ray's memory monitor kills a worker, from the
+    environment Ray reads it from (``RAY_memory_usage_threshold``, default
+    ``RAY_MEMORY_USAGE_THRESHOLD``); 1.0 (all of RAM) with the monitor off
+    (``RAY_memory_monitor_refresh_ms=0``)."""
+    import os
+
+    env = os.environ if environ is None else environ
+    if env.get("RAY_memory_monitor_refresh_ms", "").strip() == "0":
+        return 1.0
+    value = env.get("RAY_memory_usage_threshold", "").strip()
+    if not value:
+        return RAY_MEMORY_USAGE_THRESHOLD
+    try:
+        threshold = float(value)
+    except ValueError:
+        raise ValueError(
+            f"RAY_memory_usage_threshold={value!r} is not a number (Ray reads a fraction, e.g. 0.95)"
+        ) from None
+    if not 0.0 < threshold <= 1.0:
+        raise ValueError(f"RAY_memory_usage_threshold={value!r} must be in (0, 1]")
+    return threshold
 
 
 def cupy_distributions() -> tuple[str, ...]:
@@ -282,22 +435,36 @@ def cupy_distributions() -> tuple[str, ...]:
 # ---------------------------------------------------------------------------------------------
 # modules and verl's registries
 # ---------------------------------------------------------------------------------------------
+def raised_at(error: BaseException) -> str:
+    """``one_line(error)`` and the innermost source line that raised it (importlib's frames skipped)."""
+    import traceback
+
+    frames = [f for f in traceback.extract_tb(error.__traceback__) if not f.filename.startswith("<")]
+    return one_line(error) + (f" (raised at {frames[-1].filename}:{frames[-1].lineno})" if frames else "")
+
+
 def probe_imports() -> tuple[dict[str, str | None], bool | None]:
+    """Each module of ``PROBED_MODULES`` imported here; ``MEGATRON_ENGINE`` again even when verl's
+    ``workers/engine/__init__.py`` swallowed its ImportError (Python drops a module that failed from
+    ``sys.modules``, so the import runs again and raises the real error)."""
     import dataclasses
     import importlib
+    import warnings
 
     errors: dict[str, str | None] = {}
     routed_experts = None
     for module in PROBED_MODULES:
         try:
-            mod = importlib.import_module(module)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # verl's engine package warns about its absent engines
+                mod = importlib.import_module(module)
             errors[module] = None
             if module in BRIDGES and not hasattr(mod, "AutoBridge"):
                 errors[module] = f"ImportError: cannot import name 'AutoBridge' from '{module}'"
             if module == "sglang.srt.server_args":
                 routed_experts = ROUTED_EXPERTS_ARG in {f.name for f in dataclasses.fields(mod.ServerArgs)}
         except Exception as err:  # noqa: BLE001 (any import failure is a fact to report)
-            errors[module] = one_line(err)
+            errors[module] = raised_at(err) if module == MEGATRON_ENGINE else one_line(err)
     return errors, routed_experts
 
 
@@ -454,6 +621,7 @@ def gather(cfg: DictConfig) -> Facts:
         versions=versions,
         extra_pins=pins,
         requirement_conflicts=conflicts,
+        sglang_flashinfer_min=sglang_flashinfer_min(),
         import_errors=imports,
         sglang_routed_experts=routed_experts,
         checkpoint_engines=engines,
@@ -461,6 +629,8 @@ def gather(cfg: DictConfig) -> Facts:
         cupy_distributions=cupy_distributions(),
         host_mem_available_bytes=int(memory.available),
         host_mem_total_bytes=int(memory.total),
+        ray_memory_threshold=ray_memory_threshold(),
+        ray_min_memory_free_bytes=ray_min_memory_free(),
         disk_free_bytes=probe_disk(str(get(cfg, "trainer.default_local_dir", get(cfg, "sat.run_dir", ".")))),
         model=probe_model(str(get(cfg, "actor_rollout_ref.model.path", ""))),
         data_schemas=probe_data(data_files),
