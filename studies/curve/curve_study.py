@@ -218,8 +218,8 @@ def quote_lines(result: dict[str, Any], alpha: float) -> list[str]:
 def activity_lines(result: dict[str, Any]) -> list[str]:
     lines = [
         "| arm | runs | q below log(1.2) | SAT intercepted | DPPO-TV masked (counterfactual) | both | "
-        "DPPO mask applied | micro-batches | responses per micro-batch (min / mean / max) | starved micro-batches "
-        "| gate rate applied |",
+        "DPPO mask applied | micro-batches | responses per micro-batch (step min / mean / max, averaged) "
+        "| starved micro-batches | gate rate applied |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for a in result["activity"]:
@@ -336,8 +336,8 @@ def in_progress(out: Path) -> list[dict[str, Any]]:
 def in_progress_lines(rows: Sequence[dict[str, Any]]) -> list[str]:
     lines = [
         "| arm | seed | steps logged | q below log(1.2) | SAT intercepted | DPPO-TV masked (counterfactual) "
-        "| both | DPPO mask applied | responses per micro-batch (min / mean / max) | starved micro-batches "
-        "| gate rate applied |",
+        "| both | DPPO mask applied | responses per micro-batch (step min / mean / max, averaged) "
+        "| starved micro-batches | gate rate applied |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for a in rows:
