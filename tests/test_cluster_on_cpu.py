@@ -158,6 +158,29 @@ def test_job_joins_with_the_token_and_refuses_pools_the_nodes_cannot_hold(small_
     assert "placed" not in rest
 
 
+@pytest.mark.extended  # tests/README.md: Ray retries a refused connection for ~20 s
+def test_a_job_without_the_clusters_token_stops_in_one_line(small_cluster, tmp_path):
+    """The user's case: RAY_AUTH_MODE unset and no token where Ray looks (a node without the head's
+    ~/.ray/auth_token). Ray retries, then raises ConnectionError over its AuthenticationError; the
+    launch ends with one line naming RAY_AUTH_MODE and the token's path, and no traceback."""
+    local = small_cluster
+    missing = tmp_path / "home" / ".ray" / "auth_token"
+    cmd = [sys.executable, "-m", "verl_sat.main", f"ray_kwargs.ray_init.address={local.address}"]
+    cmd += ["actor_rollout_ref.model.path=Qwen/not-downloaded", f"sat.run_dir={tmp_path / 'run'}"]
+    data = tmp_path / "train.parquet"
+    data.write_bytes(b"")
+    cmd += [f"data.train_files={data}", f"data.val_files={data}"]
+    env = local.driver_env(RAY_AUTH_TOKEN_PATH="", HOME=str(tmp_path / "home"))
+    start = time.monotonic()
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=tmp_path, env=env)
+    print(f"[cluster] refused in {time.monotonic() - start:.0f}s")
+    text = out.stdout + out.stderr
+    assert out.returncode == 1, text[-5000:]
+    [line] = [x for x in text.splitlines() if x.startswith("[verl-sat] error: the Ray cluster at")]
+    assert f"(RAY_AUTH_MODE unset, no token at {missing})" in line and "export RAY_AUTH_MODE=token" in line, line
+    assert "Traceback" not in text, text[-5000:]
+
+
 def node_ids(local: LocalCluster) -> tuple[str, str]:
     """(head, node B) ids of the cluster, from a driver subprocess."""
     head, other = local.nodes(2)
@@ -433,3 +456,64 @@ def test_the_job_keeps_the_auth_mode_the_user_set_and_names_the_token_it_lacks(m
     except ConnectionError as exc:
         assert refused_for_auth(exc)
     assert not refused_for_auth(ConnectionError("Failed to connect to Ray cluster at 10.0.0.1:6379"))
+
+
+def test_slurm_script_starts_every_node_and_the_job_with_the_token(tmp_path):
+    """recipes/sat_paper/slurm.sh under stand-ins for SLURM's srun and scontrol (which record each
+    step and its RAY_AUTH_MODE): the head's token made by Ray's own CLI in ~/.ray/auth_token (a
+    temporary HOME), then every `ray start` and the job with RAY_AUTH_MODE=token; a mode the user
+    exported is kept."""
+    script = Path(__file__).resolve().parents[1] / "recipes/sat_paper/slurm.sh"
+    bin_dir, home = tmp_path / "bin", tmp_path / "home"
+    bin_dir.mkdir()
+    home.mkdir()
+    stubs = {
+        "srun": 'echo "${RAY_AUTH_MODE:-unset}|$*" >> "$STEPS"; [[ "$*" == *hostname* ]] && echo 10.0.0.1; true',
+        "scontrol": "printf 'n1\\nn2\\nn3\\n'",
+        "sleep": "true",
+    }
+    for name, body in stubs.items():
+        (bin_dir / name).write_text(f"#!/usr/bin/env bash\n{body}\n")
+        (bin_dir / name).chmod(0o755)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_AUTH")}
+    path = f"{bin_dir}{os.pathsep}{Path(sys.executable).parent}{os.pathsep}{env['PATH']}"
+    env.update(PATH=path, HOME=str(home), SLURM_JOB_NUM_NODES="3", SLURM_JOB_NODELIST="n[1-3]")
+
+    def steps(**extra: str) -> list[str]:
+        log = tmp_path / f"steps{len(extra)}.log"
+        run = {**env, "STEPS": str(log), **extra}
+        out = subprocess.run(["bash", str(script), "grpo", "1"], capture_output=True, text=True, env=run, timeout=120)
+        assert out.returncode == 0, out.stdout + out.stderr
+        return log.read_text().splitlines()
+
+    lines = steps()
+    assert (home / ".ray" / "auth_token").stat().st_size > 0  # `ray get-auth-token --generate`
+    starts = [line for line in lines if "ray start" in line]
+    assert len(starts) == 3 and "--head" in starts[0] and all("--address=10.0.0.1:6379" in x for x in starts[1:])
+    [job] = [line for line in lines if "run.sh grpo 1" in line]
+    assert all(line.startswith("token|") for line in [*starts, job]), lines
+    assert "ray_kwargs.ray_init.address=10.0.0.1:6379" in job and "trainer.nnodes=2" in job
+    kept = steps(RAY_AUTH_MODE="disabled")
+    assert all(line.startswith("disabled|") for line in kept), kept
+
+
+@pytest.mark.extended  # tests/README.md: a launch up to verl's placement, then the watch's timeout
+def test_a_pool_ray_cannot_place_stops_the_job(assets, tmp_path):
+    """verl's own trainer on a cluster of its own with 4 CPUs: the task runner (1 CPU) and the
+    trainer's group (1 GPU + 3 CPU) take them all, so the rollout's group (1 GPU + 2 CPU) stays
+    pending, where verl would wait forever; the job stops after VERL_SAT_PLACEMENT_TIMEOUT_S with
+    the line naming the group, and exit 5."""
+    run_dir = tmp_path / "run"
+    cmd = [sys.executable, "-m", "verl_sat.main", f"sat.assets_dir={assets}", f"sat.run_dir={run_dir}"]
+    cmd += ["ray_kwargs.ray_init.num_cpus=4", "trainer.total_training_steps=2"]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("VERL_FILE_LOGGER")}
+    env["VERL_SAT_PLACEMENT_TIMEOUT_S"] = "20"
+    start = time.monotonic()
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env, cwd=tmp_path)
+    print(f"[cluster] stopped in {time.monotonic() - start:.0f}s")
+    text = out.stdout + out.stderr
+    assert out.returncode == 5, text[-5000:]
+    [line] = [x for x in text.splitlines() if x.startswith("[verl-sat] error: verl's placement group")]
+    assert "not placed after 2" in line and "(exit 5)" in line and "VERL_SAT_PLACEMENT_TIMEOUT_S" in line, line
+    assert "bundle(s) of {CPU 2, GPU 1}" in line or "bundle(s) of {CPU 3, GPU 1}" in line, line
+    assert not (run_dir / "metrics.jsonl").exists() or not (run_dir / "metrics.jsonl").read_text()

@@ -8,7 +8,9 @@
 #   DRY_RUN=1 recipes/sat_paper/grid_cluster.sh      # print the submissions and the table
 #
 # RAY_ADDRESS is the dashboard's (http://<head>:8265), which `ray job submit` talks to; every job
-# joins the cluster with ray_kwargs.ray_init.address=auto. The repository, data and RUNS_ROOT must be
+# joins the cluster with ray_kwargs.ray_init.address=auto. The dashboard asks for Ray 2.60's token
+# (docs/cluster.md): with RAY_AUTH_MODE unset and a token here (RAY_AUTH_TOKEN, the file
+# RAY_AUTH_TOKEN_PATH names, or ~/.ray/auth_token), RAY_AUTH_MODE=token is exported for the submissions. The repository, data and RUNS_ROOT must be
 # on a file system the nodes share (the job's entrypoint runs on the head; its workers everywhere).
 # The grid ends with one line per cell, the table grid.sh writes, in ${RUNS_ROOT}/grid_status.tsv,
 # and exits 1 if any cell failed.
@@ -23,6 +25,9 @@ GRID=$("${PYTHON}" -m verl_sat.paper.grid --list)
 mapfile -t CELLS <<< "${GRID}"
 STATUS_DIR=${RUNS_ROOT}/.grid_cluster
 mkdir -p "${STATUS_DIR}"
+if [[ -z ${RAY_AUTH_MODE:-} && ( -n ${RAY_AUTH_TOKEN:-} || -s ${RAY_AUTH_TOKEN_PATH:-${HOME}/.ray/auth_token} ) ]]; then
+    export RAY_AUTH_MODE=token # as the job does when it joins by address (verl_sat.preflight.cluster.join_with_token)
+fi
 
 # One cell as one Ray job: submit, wait for its end, record "method lag status exit run_dir".
 run_cell() {

@@ -13,6 +13,10 @@
 #   TRAINER_NODES=4 sbatch --nodes=6 recipes/sat_paper/slurm.sh grpo 1   # 4 trainer nodes, 2 rollout nodes
 #
 # The trainer takes TRAINER_NODES nodes, the standalone rollout pool the rest.
+#
+# Ray 2.60's token authentication (docs/cluster.md): RAY_AUTH_MODE=token is exported to every step
+# (head, workers, the job), with the token in ~/.ray/auth_token (made once here; a home every node
+# mounts), else in RAY_AUTH_TOKEN_PATH or RAY_AUTH_TOKEN if you set one. RAY_AUTH_MODE=disabled opts out.
 set -euo pipefail
 
 METHOD=${1:?usage: slurm.sh <method> <lag> [hydra overrides...]}
@@ -26,6 +30,10 @@ CPUS_PER_NODE=${CPUS_PER_NODE:-${SLURM_CPUS_ON_NODE:-64}}
 NNODES=${SLURM_JOB_NUM_NODES:?run under sbatch}
 TRAINER_NODES=${TRAINER_NODES:-$((NNODES - NNODES / 3))}
 ROLLOUT_NODES=$((NNODES - TRAINER_NODES))
+export RAY_AUTH_MODE=${RAY_AUTH_MODE:-token}
+if [[ ${RAY_AUTH_MODE} == token && -z ${RAY_AUTH_TOKEN:-} && -z ${RAY_AUTH_TOKEN_PATH:-} ]]; then
+    ray get-auth-token --generate > /dev/null # ~/.ray/auth_token, kept if it exists
+fi
 mapfile -t NODES < <(scontrol show hostnames "${SLURM_JOB_NODELIST}")
 HEAD=${NODES[0]}
 HEAD_IP=$(srun --nodes=1 --ntasks=1 -w "${HEAD}" hostname --ip-address | awk '{print $1}')

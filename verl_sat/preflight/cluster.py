@@ -204,9 +204,14 @@ def auth_refusal(address: str, user_mode: str | None) -> str:
     )
 
 
-def connect(address: str, log: Any = print) -> None:
+def to_stderr(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+def connect(address: str, log: Any = to_stderr) -> None:
     """``ray.init(address=...)`` with Ray's token authentication as ``join_with_token`` sets it; a
-    refusal for authentication raises ``SystemExit`` with :func:`auth_refusal`'s line."""
+    refusal for authentication raises ``SystemExit`` with :func:`auth_refusal`'s line. ``log``: where
+    the line saying token mode was turned on goes (stderr by default: the preflight's ``--json`` is stdout)."""
     import ray
 
     user_mode = os.environ.get(AUTH_MODE_ENV)
