@@ -22,7 +22,9 @@ What SGLang 0.5.12 needs on a CPU torch, one item each (docs/cpu.md, "SGLang on 
 - :data:`UNPINNED`: host buffers allocated with ``pin_memory=True``, which a CPU torch refuses;
 - :func:`share_weights_by_file`: verl's weight sync pickles CPU tensors with torch's default sharing
   (file descriptors passed through ``multiprocessing.resource_sharer``, whose authentication key only
-  one process tree shares); SGLang's scheduler is not in the sender's tree.
+  one process tree shares); SGLang's scheduler is not in the sender's tree;
+- :func:`reduce_host_tensors_unchanged`: SGLang's tensor reducer assumes every tensor it pickles for a
+  weight update is a CUDA tensor.
 """
 
 from __future__ import annotations
@@ -326,6 +328,22 @@ def share_weights_by_file(module: ModuleType) -> None:
     wrap_once(module.ServerAdapter, "update_weights", MARKER, make)
 
 
+def reduce_host_tensors_unchanged(module: ModuleType) -> None:
+    """``sglang.srt.utils.patch_torch``: SGLang's tensor reducer (``monkey_patch_torch_reductions``, run
+    before each weight update) rewrites the device slot of a CUDA tensor's reduction, an index a CPU
+    tensor's shorter reduction does not have (IndexError); a host tensor is reduced as torch reduces it."""
+
+    def make(original: Callable[..., Any]) -> Callable[..., Any]:
+        def _reduce_tensor_modified(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            if tensor.device.type == "cpu":
+                return module.reductions._reduce_tensor_original(tensor, *args, **kwargs)
+            return original(tensor, *args, **kwargs)
+
+        return _reduce_tensor_modified
+
+    wrap_once(module, "_reduce_tensor_modified", MARKER, make)
+
+
 # ---------------------------------------------------------------------------------------------
 def checked(patch: Callable[[ModuleType], None]) -> Callable[[ModuleType], None]:
     """``patch``, after the SGLang version check."""
@@ -342,6 +360,7 @@ PATCHES: dict[str, Callable[[ModuleType], None]] = {
     "sglang.srt.entrypoints.engine": patch_engine,
     SERVER_MODULE: patch_server,
     ADAPTER_MODULE: share_weights_by_file,
+    "sglang.srt.utils.patch_torch": reduce_host_tensors_unchanged,
     **{name: unpin for name in UNPINNED},
 }
 
