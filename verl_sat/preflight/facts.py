@@ -3,14 +3,15 @@ node, here or in a Ray task pinned to each node of a cluster (``verl_sat.preflig
 
 Each fact comes from the library that owns it: GPUs from NVML (``pynvml``: no CUDA context is
 opened), installed versions and their declared requirements from ``importlib.metadata`` read with
-``packaging`` as ``pip check`` reads them, SGLang's own flashinfer floor from its source, host memory
-from ``psutil`` and Ray's memory-kill threshold from the environment Ray reads it from, the weight-sync backends from
-verl's ``CheckpointEngineRegistry``, the reward function loaded as verl loads it. torch, sglang,
-megatron, pyarrow and transformers are imported inside the functions only.
+``packaging`` as ``pip check`` reads them, SGLang's own flashinfer floor from its source, host
+memory from ``psutil``, Ray's memory-kill threshold from the environment Ray reads it from, the
+weight-sync backends from verl's ``CheckpointEngineRegistry``, the reward function loaded as verl
+loads it. torch, sglang, megatron, pyarrow and transformers are imported inside the functions only.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import shutil
 import sys
@@ -523,7 +524,14 @@ def local_model_dir(path: str) -> Path | None:
 def count_params(directory: Path) -> int | None:
     """Parameters of the model ``config.json`` describes, counted by transformers on the meta device
     (``AutoModelForCausalLM.from_config``: no memory, no weights on the node needed); None when
-    transformers cannot build that architecture."""
+    transformers cannot build that architecture. Counted once per directory and config text."""
+    config = Path(directory) / "config.json"
+    return _count_params(str(directory), config.read_text() if config.is_file() else "")
+
+
+@functools.lru_cache(maxsize=16)
+def _count_params(directory: str, config_text: str) -> int | None:
+    """``count_params`` for one directory whose config.json reads ``config_text``."""
     try:
         import torch
         from transformers import AutoConfig, AutoModelForCausalLM
