@@ -396,7 +396,8 @@ def test_micro_batches_follow_the_data_parallel_size_and_keep_what_the_user_set(
     from hydra import compose, initialize_config_dir
 
     from verl_sat.files import hydra_config_dir
-    from verl_sat.trainer.launch import MICRO_BATCH_KEYS, fill_micro_batches, trainer_dp_size
+    from verl_sat.trainer.launch import MICRO_BATCH_KEYS, fill_micro_batches
+    from verl_sat.trainer.recipe import trainer_dp_size
 
     actor, log_prob = MICRO_BATCH_KEYS
 

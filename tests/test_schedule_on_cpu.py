@@ -269,6 +269,23 @@ def test_gate_starvation_warning_names_the_keys_only_where_the_gate_can_starve()
     assert gate_starvation_warning(_scope_cfg("micro_batch", loss_mode="sat")) is None
 
 
+def test_gate_starvation_warning_reads_a_null_micro_batch_as_the_one_the_launch_fills():
+    # the CPU default leaves ppo_micro_batch_size_per_gpu null; the launch fills a rank's share of a mini-batch
+    from omegaconf import OmegaConf
+
+    from verl_sat.trainer.recipe import gate_starvation_warning
+
+    def cfg(nnodes: int):
+        node = _scope_cfg("micro_batch", ppo_micro_batch_size_per_gpu=None, ppo_mini_batch_size=8)
+        return OmegaConf.merge(
+            node, {"actor_rollout_ref": {"rollout": {"n": 4}}, "trainer": {"nnodes": nnodes, "n_gpus_per_node": 1}}
+        )
+
+    assert gate_starvation_warning(cfg(1)) is None  # 32 responses a micro-batch: 32 x 0.1 >= 1
+    warning = gate_starvation_warning(cfg(16))  # 2 responses a rank
+    assert warning is not None and "ppo_micro_batch_size_per_gpu=2" in warning
+
+
 def test_file_logger_path_reaches_ray_through_runtime_env(tmp_path, monkeypatch):
     # on a pre-started Ray cluster, workers do not inherit the driver's environment
     from verl_sat.main import prepare

@@ -47,7 +47,7 @@ from verl_sat.processes import RUN_DIR_ENV
 from verl_sat.trainer import auto_lag
 from verl_sat.trainer.accounting import prepare_resume
 from verl_sat.trainer.faults import check_writable, latest_checkpoint
-from verl_sat.trainer.recipe import SATRecipeConfig
+from verl_sat.trainer.recipe import ACTOR_KEY, ROLLOUT_KEY, SATRecipeConfig, rank_share
 
 TOKENIZER_PATH_KEY = "actor_rollout_ref.model.tokenizer_path"
 # Keys a run cannot start without (checked whether or not the embedded default fills them).
@@ -92,8 +92,6 @@ def keys_to_fill(cfg: DictConfig) -> list[str]:
     return keys
 
 
-ACTOR_KEY = "actor_rollout_ref.actor"
-ROLLOUT_KEY = "actor_rollout_ref.rollout"
 # Micro-batch key -> (verl's older global form, which replaces it; the dynamic-batching switch, which makes it unused).
 MICRO_BATCH_KEYS = {
     f"{ACTOR_KEY}.ppo_micro_batch_size_per_gpu": (f"{ACTOR_KEY}.ppo_micro_batch_size", f"{ACTOR_KEY}.use_dynamic_bsz"),
@@ -104,34 +102,12 @@ MICRO_BATCH_KEYS = {
 }
 
 
-def trainer_dp_size(cfg: DictConfig) -> int:
-    """The trainer's data-parallel ranks: ``trainer.nnodes × trainer.n_gpus_per_node`` over the
-    actor's model-parallel size (FSDP: Ulysses SP; Megatron: TP × PP × CP)."""
-    world = int(OmegaConf.select(cfg, "trainer.nnodes", default=1) or 1) * int(
-        OmegaConf.select(cfg, "trainer.n_gpus_per_node", default=1) or 1
-    )
-    actor = OmegaConf.select(cfg, ACTOR_KEY) or {}
-    if str(actor.get("strategy", "fsdp")) == "megatron":
-        megatron = actor.get("megatron") or {}
-        shards = 1
-        for key in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size"):
-            shards *= int(megatron.get(key) or 1)
-    else:
-        fsdp = actor.get("fsdp_config") or {}  # the Ulysses key there, or the deprecated one on the actor
-        shards = max(
-            int(fsdp.get("ulysses_sequence_parallel_size") or 1), int(actor.get("ulysses_sequence_parallel_size") or 1)
-        )
-    return max(1, world // shards)
-
-
 def fill_micro_batches(cfg: DictConfig) -> dict[str, int]:
     """The micro-batch keys left unset (neither their global form nor dynamic batching set): one
     micro-batch per rank's share of a mini-batch, ``ppo_mini_batch_size × rollout.n / DP``, so a
     mini-batch splits evenly over any number of trainer nodes (verl: "data size must be divisible by
     force_group_size * micro_batch_size_per_gpu"). Returns ``{key: value}`` filled."""
-    mini = int(OmegaConf.select(cfg, f"{ACTOR_KEY}.ppo_mini_batch_size", default=1) or 1)
-    responses = int(OmegaConf.select(cfg, f"{ROLLOUT_KEY}.n", default=1) or 1)
-    per_rank = max(1, mini * responses // trainer_dp_size(cfg))
+    per_rank = rank_share(cfg)
     filled = {
         key: per_rank
         for key, (global_key, dynamic_key) in MICRO_BATCH_KEYS.items()

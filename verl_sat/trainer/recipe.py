@@ -346,6 +346,38 @@ def apply_megatron_betas(cfg: DictConfig) -> list[str]:
     return filled
 
 
+ACTOR_KEY = "actor_rollout_ref.actor"
+ROLLOUT_KEY = "actor_rollout_ref.rollout"
+
+
+def trainer_dp_size(cfg: DictConfig) -> int:
+    """The trainer's data-parallel ranks: ``trainer.nnodes × trainer.n_gpus_per_node`` over the
+    actor's model-parallel size (FSDP: Ulysses SP; Megatron: TP × PP × CP)."""
+    world = int(OmegaConf.select(cfg, "trainer.nnodes", default=1) or 1) * int(
+        OmegaConf.select(cfg, "trainer.n_gpus_per_node", default=1) or 1
+    )
+    actor = OmegaConf.select(cfg, ACTOR_KEY) or {}
+    if str(actor.get("strategy", "fsdp")) == "megatron":
+        megatron = actor.get("megatron") or {}
+        shards = 1
+        for key in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size"):
+            shards *= int(megatron.get(key) or 1)
+    else:
+        fsdp = actor.get("fsdp_config") or {}  # the Ulysses key there, or the deprecated one on the actor
+        shards = max(
+            int(fsdp.get("ulysses_sequence_parallel_size") or 1), int(actor.get("ulysses_sequence_parallel_size") or 1)
+        )
+    return max(1, world // shards)
+
+
+def rank_share(cfg: DictConfig) -> int:
+    """One trainer rank's share of a mini-batch, ``ppo_mini_batch_size × rollout.n / DP`` responses: the
+    micro-batch the launch fills where the user left it null (``launch.fill_micro_batches``)."""
+    mini = int(OmegaConf.select(cfg, f"{ACTOR_KEY}.ppo_mini_batch_size", default=1) or 1)
+    responses = int(OmegaConf.select(cfg, f"{ROLLOUT_KEY}.n", default=1) or 1)
+    return max(1, mini * responses // trainer_dp_size(cfg))
+
+
 def gate_starvation_warning(cfg: DictConfig) -> str | None:
     """A warning when per-micro-batch q can starve SAT-GSPO's gate (docs/sat.md#the-rule step 2), else None.
 
@@ -368,7 +400,7 @@ def gate_starvation_warning(cfg: DictConfig) -> str | None:
         per_micro = int(actor.ppo_max_token_len_per_gpu) // max(longest, 1)
         how = f"actor.ppo_max_token_len_per_gpu={actor.ppo_max_token_len_per_gpu} holds ~{per_micro} longest responses"
     else:
-        per_micro = int(actor.get("ppo_micro_batch_size_per_gpu") or 1)
+        per_micro = int(actor.get("ppo_micro_batch_size_per_gpu") or rank_share(cfg))  # null: filled at launch
         how = f"actor.ppo_micro_batch_size_per_gpu={per_micro}"
     if per_micro * (1.0 - alpha) >= 1.0:
         return None
