@@ -1135,6 +1135,7 @@ def test_module_imports_nothing_heavy() -> None:
         "__future__",
         "_thread",
         "argparse",
+        "functools",
         "json",
         "math",
         "os",
