@@ -328,7 +328,73 @@ def contrast_lines(rows: Sequence[dict[str, Any]], alpha: float) -> list[str]:
     return lines
 
 
-def report(result: dict[str, Any], provenance: dict[str, Any], protocol: dict[str, Any]) -> str:
+RUN_COLUMNS = (
+    ("q_below_radius_frac", ".2f"),
+    ("intercepted_frac", ".4f"),
+    ("removed_weight_share", ".4f"),
+    ("grad_removed_share", ".3f"),
+    ("grad_removed_proj", ".3f"),
+    ("auc", ".3f"),
+    ("heldout_acc", ".3f"),
+)
+
+
+def run_table(stats: Sequence[dict[str, Any]], arms: Sequence[str]) -> list[str]:
+    """One line per run (docs/study.md quotes it; tests/test_token_level_results.py reads it back)."""
+    lines = [
+        "| arm | seed | steps q < log(1.2) | intercepted frac | removed weight share | removed gradient share "
+        "| projected removed share | auc | final acc |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    order = {a: i for i, a in enumerate(arms)}
+    for s in sorted(stats, key=lambda s: (order.get(s["arm"], 99), s["seed"])):
+        cells = " | ".join(_f(s.get(k), spec) for k, spec in RUN_COLUMNS)
+        lines.append(f"| {LABELS[s['arm']]} | {s['seed']} | {cells} |")
+    return lines
+
+
+def class_lines(result: dict[str, Any]) -> list[str]:
+    """One line per arm: each class's share of the active, intercepted tokens and of the removed
+    weight (digit / format / eos / other), and the intercepted tokens' share with A < 0."""
+    lines = [
+        "| arm | active: digit / format / eos / other | intercepted | removed weight | intercepted with A < 0 |",
+        "|---|---|---|---|---|",
+    ]
+    for arm, cls in result["classes"].items():
+        cols = [
+            " / ".join(_f(cls[c][k], ".2f") for c in TOKEN_CLASSES) for k in ("active", "intercepted", "removed_weight")
+        ]
+        negative = None if cls["intercepted_apos"] is None else 1.0 - cls["intercepted_apos"]
+        lines.append(f"| {LABELS[arm]} | {' | '.join(cols)} | {_f(negative, '.2f')} |")
+    return lines
+
+
+TEXT_COLUMNS = ("name", "arm", "tag", "quick", "protocol_commit", "protocol_blob", "protocol_path")
+TEXT_COLUMNS += ("assets_fingerprint", "loop_blob", "instrument_blobs")
+
+
+def read_rows(path: Path) -> list[dict[str, Any]]:
+    """The committed runs.csv typed back (numbers as floats, seed and lag as ints): the analysis of
+    the committed rows is the analysis of the runs."""
+    import csv
+
+    typed = []
+    for r in csv.DictReader(path.open()):
+        row: dict[str, Any] = {}
+        for k, v in r.items():
+            if k in ("seed", "lag", "steps"):
+                row[k] = int(v)
+            elif k in TEXT_COLUMNS:
+                row[k] = v
+            else:
+                row[k] = float(v) if v != "" else None
+        typed.append(row)
+    return typed
+
+
+def report(
+    result: dict[str, Any], provenance: dict[str, Any], protocol: dict[str, Any], stats: Sequence[dict[str, Any]]
+) -> str:
     alpha = protocol["alpha"]
     text = [
         "# The token level, diagnosed (issue 46, part 2c)",
@@ -338,6 +404,10 @@ def report(result: dict[str, Any], provenance: dict[str, Any], protocol: dict[st
         f"`{provenance.get('loop_blob')}`. Seeds per arm: "
         + "; ".join(f"{LABELS[a]} {s[0]}-{s[-1]} ({len(s)})" for a, s in result["seeds"].items() if s)
         + ".",
+        "",
+        "## Every run (GRPO's SAT columns: counterfactual)",
+        "",
+        *run_table(stats, protocol["arms_per_seed"]),
         "",
         "## Family A: the area under the learning curve (Holm over 3; exploratory below 8 seeds)",
         "",
@@ -381,6 +451,8 @@ def report(result: dict[str, Any], provenance: dict[str, Any], protocol: dict[st
         "GRPO's row is counterfactual: what SAT (alpha 0.9, p = 2) would gate and remove on GRPO's steps.",
         "",
         "## Which tokens (pooled over each arm's runs and steps)",
+        "",
+        *class_lines(result),
         "",
         "| arm | class | share of active | of gated | of intercepted | of removed weight | gated with d > 0 "
         "| gated with A = 0 |",
@@ -497,7 +569,7 @@ def summarize(out: Path, protocol: dict[str, Any], quick: bool = False) -> dict[
     base.write_csv(out / "runs.csv", stats)
     result = analyse(stats, protocol)
     (out / "study.json").write_text(json.dumps({"provenance": provenance, **result}, indent=2, default=list))
-    (out / "study.md").write_text(report(result, provenance, protocol))
+    (out / "study.md").write_text(report(result, provenance, protocol, stats))
     plot(out, result, stats)
     return result
 
