@@ -98,3 +98,19 @@ def test_a_time_stop_starts_no_run_that_cannot_end():
     assert harness.fits([], now + 1)  # nothing measured yet: start
     timings = [{"run_s": 600.0}, {"run_s": 700.0}, {"run_s": 800.0}]
     assert harness.fits(timings, now + 760) and not harness.fits(timings, now + 680)
+
+
+def test_docs_quote_the_committed_interim_rows(curve):
+    """docs/study.md's curve-study sentences recompute from the committed in_progress.csv, whose
+    every row carries the protocol's commit and blob."""
+    path = REPO / "studies" / "curve" / "results" / "in_progress.csv"
+    rows = list(csv.DictReader(path.open()))
+    state = curve.base.protocol_state(curve.PROTOCOL)
+    assert rows and {(r["protocol_commit"], r["protocol_blob"]) for r in rows} == {
+        (state["protocol_commit"], state["protocol_blob"])
+    }
+    docs = " ".join((REPO / "docs" / "study.md").read_text().split())
+    quotes = curve.interim_quotes(rows)
+    assert quotes
+    for quote in quotes:
+        assert quote in docs, quote

@@ -146,7 +146,10 @@ def curve(stats: Sequence[dict[str, Any]], arms: Sequence[str], checkpoints: Seq
         points = []
         for c in checkpoints:
             values = [s[f"heldout_acc@{c}"] for s in stats if s["arm"] == arm and s.get(f"heldout_acc@{c}") is not None]
-            points.append(paired_t_interval(values) if len(values) >= 2 else (None, None, None))
+            if len(values) >= 2:
+                points.append(paired_t_interval(values))
+            else:  # one seed: its value, no interval
+                points.append((values[0], values[0], values[0]) if values else (None, None, None))
         out[arm] = points
     return out
 
@@ -369,16 +372,17 @@ def interim_quotes(rows: Sequence[dict[str, Any]]) -> list[str]:
         return [r for r in rows if r["arm"] == name]
 
     def seeds(runs: Sequence[dict[str, Any]]) -> str:
-        return ", ".join(str(r["seed"]) for r in runs)
+        return ("seed " if len(runs) == 1 else "seeds ") + ", ".join(str(r["seed"]) for r in runs)
 
     quotes = []
     mbq, sat = arm("sat_gspo_r3_mbq"), arm("sat_gspo_r3")
     if mbq and sat:
         quotes.append(
-            f"over the {sum(int(r['steps']) for r in mbq)} steps the q-per-micro-batch runs logged (seed "
-            f"{seeds(mbq)}), {_pooled(mbq, 'mb_starved_frac'):.3f} of their micro-batches starved, with "
-            f"{_pooled(mbq, 'seqs_per_mb_mean'):.2f} responses per micro-batch and a gate rate of "
-            f"{_pooled(mbq, 'mb_gate_rate'):.4f}, against {_pooled(sat, 'sat_gate_rate'):.4f} with q per step"
+            f"over the {sum(int(r['steps']) for r in mbq)} steps the q-per-micro-batch runs logged ("
+            f"{seeds(mbq)}), {_f(_pooled(mbq, 'mb_starved_frac'), '.3f')} of their micro-batches starved, with "
+            f"{_f(_pooled(mbq, 'seqs_per_mb_mean'), '.2f')} responses per micro-batch and a gate rate of "
+            f"{_f(_pooled(mbq, 'mb_gate_rate'), '.4f')}, against "
+            f"{_f(_pooled(sat, 'sat_gate_rate'), '.4f')} with q per step"
         )
     for name in ("sat_gspo_r3", "sat_gspo_r3_dppo", "dppo_tv_r3"):
         runs = arm(name)
@@ -387,15 +391,17 @@ def interim_quotes(rows: Sequence[dict[str, Any]]) -> list[str]:
         masked, icpt, both = (
             _pooled(runs, c) for c in ("dppo_masked_frac", "intercepted_frac", "dppo_intercepted_overlap_frac")
         )
-        share = f"{both / icpt:.2f}" if icpt else "-"
+        share = f"{both / icpt:.2f}" if icpt and both is not None else "-"
         quotes.append(
-            f"on {LABELS[name]}'s batches ({sum(int(r['steps']) for r in runs)} steps, seed {seeds(runs)}), "
-            f"DPPO-TV's mask at delta 1e-3 would remove {masked:.3f} of the tokens, SAT intercepts {icpt:.4f} "
-            f"and {both:.4f} are both ({share} of SAT's intercepted tokens)"
+            f"on {LABELS[name]}'s batches ({sum(int(r['steps']) for r in runs)} steps, {seeds(runs)}), "
+            f"DPPO-TV's mask at delta 1e-3 would remove {_f(masked, '.3f')} of the tokens, SAT intercepts "
+            f"{_f(icpt, '.4f')} "
+            f"and {_f(both, '.4f')} are both ({share} of SAT's intercepted tokens)"
         )
         if name == "sat_gspo_r3_dppo":
             quotes.append(
-                f"the combination's own DPPO-TV mask removed {_pooled(runs, 'dppo_arm_masked_frac'):.3f} of its tokens"
+                "the combination's own DPPO-TV mask removed "
+                f"{_f(_pooled(runs, 'dppo_arm_masked_frac'), '.3f')} of its tokens"
             )
     return quotes
 
