@@ -20,6 +20,7 @@ from test_main_e2e import check_sat_rows
 
 from verl_sat.cpu import sglang as cpu_sglang
 from verl_sat.files import read_jsonl
+from verl_sat.trainer.accounting import summarize
 from verl_sat.trainer.supervisor import EXIT_PROCESS_DIED
 
 REPO = Path(__file__).resolve().parents[1]
@@ -81,8 +82,8 @@ def test_the_main_job_trains_on_sglang_with_r3_then_its_scheduler_dies(assets: P
     one_error_line(console, "rollout replica sglang0.", pid)
     fault = json.loads((run_dir / "run.json").read_text())["fault"]
     assert fault["kind"] == "rollout replica" and fault["pid"] == pid
-    samples = json.loads((run_dir / "run.json").read_text())["samples"]
-    assert samples["lost_in_flight"] == [] and samples["skipped"] == []
+    summary = summarize(run_dir)  # samples.jsonl: every prompt trained once, in flight or accounted for
+    assert summary["skipped"] == [] and summary["lost_in_flight"] == [] and summary["repeated"] == []
     trained = trained_ids(run_dir)
     assert len(trained) == len(set(trained)) > 0
 
