@@ -208,7 +208,7 @@ def check_versions(cfg: DictConfig, facts: Facts) -> list[Finding]:
                 "versions",
                 "verl",
                 f"verl {verl or 'not installed'}; verl-sat requires verl=={want or '(pyproject.toml)'}: "
-                f"pip install 'verl[sglang,megatron]=={want or '...'}'",
+                "recipes/sat_paper/install_gpu.sh (docs/reproduce.md, 'Install on the GPU node')",
             )
         )
     want = facts.pin("sglang", "sglang")
@@ -423,7 +423,7 @@ def check_checkpoint_engine(cfg: DictConfig, facts: Facts) -> list[Finding]:
     return out
 
 
-MEGATRON_INSTALL = "docs/reproduce.md, 'A working set on the GPU node'"
+MEGATRON_INSTALL = "docs/reproduce.md, 'Install on the GPU node'"
 
 
 def bridge_findings(cfg: DictConfig, facts: Facts) -> list[Finding]:
