@@ -2,13 +2,15 @@
 (verl_sat.trainer.supervisor), and so does the server actor itself.
 
 Nothing registers them: the supervisor finds verl's server actor in Ray's actor table by its class
-(``SGLangHttpServer``) and name (``sglang_server_<replica>_<node>``), and the processes under it
-with psutil. One ``ray.init`` (1 CPU, no dashboard) plays it: an actor of that class and name
-starts its children the way SGLang 0.5.12 does (``Engine._launch_subprocesses``: a scheduler, a
-``multiprocessing`` child under the ``spawn`` start method, titled ``sglang::scheduler_TP0``), the
-scheduler a grandchild of its own, and, before the rollout serves, a helper that exits by design
-(as vLLM's model-inspection subprocess does). The names the supervisor relies on are read from
-verl 0.9.1's own server modules.
+(``SGLangHttpServer``) and name (``sglang_server_<replica>_<node>``), and the engine processes
+under it with psutil, by the titles the engines give them. One ``ray.init`` (1 CPU, no dashboard)
+plays it: an actor of that class and name starts its children the way SGLang 0.5.12 does
+(``Engine._launch_subprocesses``: a scheduler, a ``multiprocessing`` child under the ``spawn``
+start method, titled ``sglang::scheduler_TP0`` with setproctitle), the scheduler a titled process
+of its own (one level deeper, as vLLM's engine core starts its workers), and an untitled helper
+that exits by design (as vLLM's model-inspection subprocess does), and a fork that keeps the actor's
+title. The names the supervisor relies
+on are read from verl 0.9.1's own server modules.
 """
 
 from __future__ import annotations
@@ -76,11 +78,13 @@ def test_a_server_actor_is_named_as_its_replica(ray_name: str, name: str) -> Non
     )
 
 
-# SGLang's scheduler process: titled as SGLang titles it, with a child process of its own.
+# SGLang's scheduler process: titled as SGLang titles it, with a titled process of its own.
 SCHEDULER = """
-import subprocess, setproctitle
+import subprocess, sys, time, setproctitle
 setproctitle.setproctitle("sglang::scheduler_TP0")
-subprocess.run(["sleep", "600"])
+title = "import setproctitle, time; setproctitle.setproctitle('sglang::detokenizer'); time.sleep(600)"
+subprocess.run([sys.executable, "-c", title])
+time.sleep(600)  # the scheduler outlives it
 """
 
 
@@ -96,9 +100,11 @@ def sglang_server_class() -> type:
 
             helper = threading.Thread(target=subprocess.run, args=(["sleep", str(helper_s)],), daemon=True)
             helper.start()  # exits by design, during start-up
+            self.fork = multiprocessing.get_context("fork").Process(target=time.sleep, args=(600,), daemon=True)
+            self.fork.start()  # keeps this actor's title, as a compiler's fork does until it runs its program
             self.scheduler = multiprocessing.get_context("spawn").Process(target=exec, args=(SCHEDULER,), daemon=True)
             self.scheduler.start()
-            return {"server": os.getpid(), "scheduler": self.scheduler.pid}
+            return {"server": os.getpid(), "scheduler": self.scheduler.pid, "fork": self.fork.pid}
 
     return SGLangHttpServer
 
@@ -110,15 +116,15 @@ def wait(predicate, seconds: float = 60.0):
     return value
 
 
-def test_a_dead_process_under_sglangs_server_stops_the_job_with_exit_4(tmp_path, monkeypatch, capsys) -> None:
-    """The helper that exits during start-up is not watched; once the rollout serves, the
-    scheduler's own child (two levels down) is killed: exit 4, one line naming it, in run.json.
-    Then, with a fresh supervisor, the server actor itself is killed: Ray's actor table says so."""
+def test_a_dead_process_under_sglangs_server_stops_the_job_with_exit_4(tmp_path, capsys) -> None:
+    """The untitled helper exits unwatched; both titled processes are watched, the scheduler's own
+    two levels down; the scheduler is killed (a zombie: the actor does not reap it): exit 4, one line
+    naming it, in run.json. Then, with a fresh supervisor, the server actor itself is killed: Ray's
+    actor table says so."""
     import psutil
     import ray
 
     (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 1, "data": {}}) + "\n")
-    monkeypatch.setattr(supervisor, "SETTLE_S", 0.5)
     ray.init(num_cpus=1, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
     started: list[psutil.Process] = []  # killed on the way out
     try:
@@ -127,33 +133,30 @@ def test_a_dead_process_under_sglangs_server_stops_the_job_with_exit_4(tmp_path,
             with Supervisor(tmp_path, total_steps=8, interval=0.2) as watcher:
                 pids = ray.get(server.launch_server.remote(helper_s=3))
                 scheduler = psutil.Process(pids["scheduler"])
-                started.append(scheduler)
+                started += [scheduler, psutil.Process(pids["fork"])]
                 helpers = lambda: [c for c in psutil.Process(pids["server"]).children() if c.name() == "sleep"]  # noqa: E731
-                assert wait(helpers)  # the helper runs, for longer than SETTLE_S
+                assert wait(helpers)  # the helper runs, for seconds
                 assert wait(lambda: not helpers())  # and is gone, unwatched
-                (tmp_path / "samples.jsonl").write_text(
-                    json.dumps({"event": "submitted", "step": 1, "prompts": []}) + "\n"
-                )  # serving
-                grandchild = wait(lambda: scheduler.children())[0]
+                grandchild = wait(lambda: [c for c in scheduler.children() if "::" in c.name()])[0]
                 started.append(grandchild)
                 names = lambda: sorted(e["name"] for e in watcher.engine_processes.values())  # noqa: E731
-                expected = {"sglang0.node1.scheduler_TP0", "sglang0.node1.sleep"}  # and spawn's resource tracker
-                assert wait(lambda: expected <= set(names())), names()
-                os.kill(grandchild.pid, signal.SIGKILL)
+                expected = ["sglang0.node1.detokenizer", "sglang0.node1.scheduler_TP0"]  # not spawn's resource tracker
+                assert wait(lambda: names() == expected), names()
+                os.kill(scheduler.pid, signal.SIGKILL)
                 for _ in range(600):  # the supervisor interrupts this wait (between two short sleeps)
                     time.sleep(0.1)
         assert stopped.value.code == EXIT_PROCESS_DIED
         fault = json.loads((tmp_path / "run.json").read_text())["fault"]
         assert (fault["kind"], fault["name"], fault["pid"], fault["step"]) == (
             "rollout replica",
-            "sglang0.node1.sleep",
-            grandchild.pid,
+            "sglang0.node1.scheduler_TP0",
+            scheduler.pid,
             2,
         )
         lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("[verl-sat] error:")]
-        assert len(lines) == 1 and "rollout replica sglang0.node1.sleep" in lines[0] and "exit 4" in lines[0]
+        assert len(lines) == 1 and "rollout replica sglang0.node1.scheduler_TP0" in lines[0] and "exit 4" in lines[0]
 
-        fresh = Supervisor(tmp_path, total_steps=8)  # started after samples.jsonl: not serving
+        fresh = Supervisor(tmp_path, total_steps=8)
         assert fresh.check() is None
         ray.kill(server)
         failure = wait(fresh.check)

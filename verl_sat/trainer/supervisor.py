@@ -6,10 +6,10 @@ trainer waits for samples that never come. A trainer worker that dies mid-step s
 exception only once verl next calls it. So the driver (``verl_sat.main``) runs a ``Supervisor``
 thread that checks, once a second, the HF rollout servers and verl-sat actor workers (registered
 in ``<run_dir>/processes/``, ``verl_sat.processes``), verl's own rollout server actors (this job's
-actors of class ``*HttpServer``: vLLM's, SGLang's) and, once the rollout serves, the processes
-under any rollout server (an engine's children: vLLM's engine core, SGLang's scheduler), once they
-have lived ``SETTLE_S`` (so never a helper that exits by design, such as vLLM's start-up model
-inspection). A Ray actor is checked through Ray's GCS (``ray._private.state.actors``: the actor
+actors of class ``*HttpServer``: vLLM's, SGLang's) and the engine processes under any rollout
+server (those an engine titles ``<engine>::<role>``: vLLM's engine core, SGLang's scheduler and
+detokenizer; never an untitled helper that exits by design, such as vLLM's model inspection at
+start-up or a compiler). A Ray actor is checked through Ray's GCS (``ray._private.state.actors``: the actor
 table of every node; it needs no dashboard, unlike ``ray.util.state``, whose queries go through
 the dashboard's API server), any other process with psutil, on this node.
 
@@ -43,7 +43,6 @@ from verl_sat.processes import PROCESSES_DIR
 
 EXIT_PROCESS_DIED = 4
 GRACE_S = 20.0
-SETTLE_S = 5.0
 SERVER_CLASS_SUFFIX = "HttpServer"  # verl 0.9.1's vLLMHttpServer, SGLangHttpServer, TRTLLMHttpServer
 # verl's server actor names: "<engine>_server_<replica>_<node>" (vLLM, SGLang), "trtllm_server_<replica>"
 SERVER_NAME = re.compile(r"(?P<engine>[a-z]+)_server_(?P<replica>\d+)(?:_(?P<node>\d+))?")
@@ -72,18 +71,24 @@ def server_entry(actor: dict[str, Any]) -> dict[str, Any]:
     match = SERVER_NAME.fullmatch(actor["Name"])
     name = match and match["engine"] + match["replica"] + (f".node{match['node']}" if int(match["node"] or 0) else "")
     host = socket.gethostname() if actor["here"] else actor["Address"]["IPAddress"]
-    entry = {"kind": "rollout replica", "name": name or actor["Name"], "pid": int(actor["Pid"]), "host": host}
+    name = name or actor["Name"] or actor["ActorID"]
+    entry = {"kind": "rollout replica", "name": name, "pid": int(actor["Pid"]), "host": host}
     return {**entry, "actor_id": actor["ActorID"]}
 
 
 def descendants(server: dict[str, Any]) -> list[dict[str, Any]]:
-    """The processes under rollout replica ``server`` on this host, at any depth, that have lived
-    ``SETTLE_S``, as rollout replicas ``<server>.<title>`` (``VLLM::EngineCore``: ``EngineCore``)."""
+    """The engine processes under rollout replica ``server`` on this host, at any depth: those
+    titled ``<engine>::<role>`` (setproctitle, as vLLM and SGLang title theirs), as rollout replicas
+    ``<server>.<role>`` (``VLLM::EngineCore``: ``vllm0.EngineCore``); neither one already dead nor a
+    fork that still bears its parent's title (a Ray worker's ``ray::...``, or a compiler's that has not
+    yet run its own program: both exit by design) is taken."""
     found = []
     try:
         for child in psutil.Process(int(server["pid"])).children(recursive=True):
-            if time.time() - child.create_time() >= SETTLE_S:
-                name = f"{server['name']}.{child.name().split('::')[-1]}"
+            title = child.name()
+            forked = title.startswith("ray::") or title == (child.parent() or child).name()  # a parent's title
+            if "::" in title and not forked and child.status() != psutil.STATUS_ZOMBIE:
+                name = f"{server['name']}.{title.split('::')[-1]}"
                 found.append({**server, "name": name, "pid": child.pid, "actor_id": None})
     except psutil.Error:  # a process gone meanwhile: judged at the next check
         pass
@@ -161,18 +166,14 @@ class Supervisor(threading.Thread):
         return "final_step" in ((read_sentinel_record(self.run_dir) or {}).get("verdict") or {})
 
     def watched(self, actors: list[dict[str, Any]] | None) -> list[dict[str, Any]]:
-        """The registered processes, verl's rollout server actors and, once the rollout serves (this
-        run has written ``samples.jsonl``), the processes under them, remembered once seen."""
+        """The registered processes, verl's rollout server actors and the engine processes under
+        them, remembered once seen (a dead one is no longer under its server)."""
         servers = [a for a in actors or [] if a["ActorClassName"].endswith(SERVER_CLASS_SUFFIX) and a["Pid"]]
         entries = self.processes() + [server_entry(actor) for actor in servers]
-        try:
-            serving = (self.run_dir / "samples.jsonl").stat().st_mtime >= self.started_at
-        except OSError:  # not written yet
-            serving = False
-        if serving:
-            for server in entries:
-                if server["kind"] == "rollout replica" and server["host"] == socket.gethostname():
-                    self.engine_processes.update((e["pid"], e) for e in descendants(server))
+        for server in entries:
+            if server["kind"] == "rollout replica" and server["host"] == socket.gethostname():
+                for entry in descendants(server):  # named when first seen alive (a zombie's name is cut)
+                    self.engine_processes.setdefault(entry["pid"], entry)
         return entries + list(self.engine_processes.values())
 
     def check(self) -> dict[str, Any] | None:
