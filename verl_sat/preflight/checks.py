@@ -9,7 +9,7 @@ from typing import Any
 
 from omegaconf import DictConfig
 
-from verl_sat.preflight.cluster import Node, Unseen
+from verl_sat.preflight.cluster import Node, Unseen, place
 from verl_sat.preflight.estimates import (
     MEGATRON,
     OPTIM,
@@ -860,22 +860,6 @@ def check_gpu_slots(cfg: DictConfig, facts: dict[Node, Facts]) -> list[Finding]:
         for node, found in facts.items()
         if node.gpus != len(found.gpus)
     ]
-
-
-def place(groups: Sequence[tuple[str, int, int]], nodes: Sequence[Node]) -> dict[int, Node] | None:
-    """First-fit decreasing of the groups on the nodes' GPU and CPU slots (each group on one node,
-    as verl's placement groups are); group index -> node, or None when they do not fit."""
-    free = {node: [node.gpus, node.cpus] for node in nodes}
-    placed: dict[int, Node] = {}
-    for i in sorted(range(len(groups)), key=lambda i: -groups[i][1]):
-        _, gpus, cpus = groups[i]
-        target = next((n for n in nodes if free[n][0] >= gpus and free[n][1] >= cpus), None)
-        if target is None:
-            return None
-        free[target][0] -= gpus
-        free[target][1] -= cpus
-        placed[i] = target
-    return placed
 
 
 def check_layout(cfg: DictConfig, nodes: Sequence[Node]) -> list[Finding]:

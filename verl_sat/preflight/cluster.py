@@ -234,8 +234,7 @@ def largest(nodes: Sequence[Node]) -> Node:
 
 def layout_refusal(cfg: DictConfig, nodes: Sequence[Node]) -> str | None:
     """The line refusing a layout whose pools the nodes cannot hold, as the preflight's
-    ``cluster_layout`` places them (``checks.place`` on ``estimates.pool_bundles``); None if they fit."""
-    from verl_sat.preflight.checks import place  # checks imports this module
+    ``cluster_layout`` places them (``place`` on ``estimates.pool_bundles``); None if they fit."""
     from verl_sat.preflight.estimates import pool_bundles
 
     groups = pool_bundles(cfg)
@@ -286,6 +285,22 @@ def make_absolute(cfg: DictConfig) -> list[str]:
             OmegaConf.update(cfg, key, absolute if is_list else absolute[0], merge=False)
             changed.append(key)
     return changed
+
+
+def place(groups: Sequence[tuple[str, int, int]], nodes: Sequence[Node]) -> dict[int, Node] | None:
+    """First-fit decreasing of the groups on the nodes' GPU and CPU slots (each group on one node,
+    as verl's placement groups are); group index -> node, or None when they do not fit."""
+    free = {node: [node.gpus, node.cpus] for node in nodes}
+    placed: dict[int, Node] = {}
+    for i in sorted(range(len(groups)), key=lambda i: -groups[i][1]):
+        _, gpus, cpus = groups[i]
+        target = next((n for n in nodes if free[n][0] >= gpus and free[n][1] >= cpus), None)
+        if target is None:
+            return None
+        free[target][0] -= gpus
+        free[target][1] -= cpus
+        placed[i] = target
+    return placed
 
 
 @dataclass(frozen=True)
