@@ -9,7 +9,6 @@ Without SGLang they skip, naming the script.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 from pathlib import Path
 
@@ -112,5 +111,4 @@ def test_the_papers_cell_runs_on_cpu(tmp_path: Path) -> None:
     config = json.loads((run_dir / "run.json").read_text())["config"]
     assert config["actor_rollout_ref"]["rollout"]["name"] == "sglang"
     assert config["actor_rollout_ref"]["actor"]["strategy"] == "megatron"
-    assert config["trainer"]["v1"]["parameter_sync_step"] == 8
-    assert os.path.exists(run_dir / "metrics.jsonl")
+    assert config["trainer"]["v1"]["separate_async"]["parameter_sync_step"] == 8
