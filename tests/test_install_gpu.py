@@ -116,7 +116,7 @@ def test_an_override_the_package_no_longer_declares_is_reported() -> None:
     assert Override("sglang", "transformers==5.6.0", OVERRIDES[0].reason) in stale
 
 
-@pytest.mark.e2e
+@pytest.mark.extended  # ~3-7 min: pip downloads whole wheels here (tests/README.md)
 def test_the_dry_run_resolves_the_stack_for_the_gpu_node() -> None:
     """pip's resolver, for Python 3.12 on manylinux x86_64, finds one solution with the stack's pins."""
     done = _dry_run()
