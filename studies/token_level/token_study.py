@@ -302,6 +302,10 @@ def _f(v: float | None, spec: str = ".3f") -> str:
     return "-" if v is None else format(v, spec)
 
 
+def _p(p: float) -> str:
+    return "< 0.001" if p < 0.001 else f"{p:.3f}"
+
+
 def _ci(cell: dict[str, Any] | None, spec: str = ".3f") -> str:
     if not cell:
         return "-"
@@ -322,8 +326,8 @@ def contrast_lines(rows: Sequence[dict[str, Any]], alpha: float) -> list[str]:
         reading = "differs" if r["holm_p"] < alpha else "no difference detected"
         lines.append(
             f"| {LABELS[r['arm']]} - {LABELS[r['reference']]} | {r['seeds']} | {r['arm_mean']:.3f} | "
-            f"{r['ref_mean']:.3f} | {r['diff']:+.3f} [{lo:+.3f}, {hi:+.3f}] | {r['wilcoxon_p']:.3f} | "
-            f"{r['holm_p']:.3f} | {sum(d > 0 for d in r['diffs'])} of {r['seeds']} | {reading} |"
+            f"{r['ref_mean']:.3f} | {r['diff']:+.3f} [{lo:+.3f}, {hi:+.3f}] | {_p(r['wilcoxon_p'])} | "
+            f"{_p(r['holm_p'])} | {sum(d > 0 for d in r['diffs'])} of {r['seeds']} | {reading} |"
         )
     return lines
 
