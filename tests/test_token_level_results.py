@@ -34,6 +34,7 @@ def test_the_breadth_rows_auc_contrasts_are_the_quoted_ones():
         assert _fmt(r) in section, (arm, ref, _fmt(r))
         positive = sum(d > 0 for d in r["diffs"])
         assert f"{positive} of 16" in section
+        assert _fmt(r) in (REPO / "README.md").read_text(), (arm, ref, "README")
 
 
 RUNS = REPO / "studies" / "token_level" / "results" / "runs.csv"
