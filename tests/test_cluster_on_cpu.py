@@ -459,6 +459,7 @@ def test_the_job_keeps_the_auth_mode_the_user_set_and_names_the_token_it_lacks(m
     assert not refused_for_auth(ConnectionError("Failed to connect to Ray cluster at 10.0.0.1:6379"))
 
 
+@pytest.mark.extended  # ~45 s with its raylets' clean stop; the token join is the default run's cluster test
 def test_slurm_script_starts_every_node_and_the_job_with_the_token(tmp_path):
     """recipes/sat_paper/slurm.sh under stand-ins for SLURM's srun and scontrol (which record each
     step and its RAY_AUTH_MODE): the head's token made by Ray's own CLI in ~/.ray/auth_token (a

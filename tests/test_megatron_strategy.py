@@ -10,8 +10,14 @@ from verl_sat.trainer.recipe import SATRecipeConfig, apply_lag, apply_routing_re
 
 
 def composed(*overrides: str):
+    """The default job's config as verl receives it: composed, then the micro-batches the launch fills
+    (``sat_gspo_cpu.yaml`` leaves them null; verl's actor config refuses null)."""
+    from verl_sat.trainer.launch import fill_micro_batches
+
     with initialize_config_dir(str(hydra_config_dir()), version_base=None):
-        return compose("sat_gspo_cpu", overrides=list(overrides))
+        cfg = compose("sat_gspo_cpu", overrides=list(overrides))
+    fill_micro_batches(cfg)
+    return cfg
 
 
 def test_megatron_strategy_keeps_the_run_and_swaps_the_engine():

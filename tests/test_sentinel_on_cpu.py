@@ -192,7 +192,9 @@ def test_fires_within_bounded_steps_of_onset():
         # above the floor: the drop exceeds both k * sigma (with room for noise) and reward_min_drop
         drop = max(drop_in_sigmas * sigma, 2 * ON.reward_min_drop)
         fired = first_alarm(ON, stream(seed, onset + 40, reward_sigma=sigma, onset=onset, drop=drop, spike=spike))
-        assert fired is not None and onset + ON.patience - 1 <= fired <= onset + ON.patience + 4
+        # one noisy step just before the onset may already count toward patience (hypothesis found
+        # seed 97, sigma 0.03); false alarms on noise alone are test_no_false_alarm_*'s
+        assert fired is not None and onset + ON.patience - 2 <= fired <= onset + ON.patience + 4
         floor.append(ON.reward_k * sigma < ON.reward_min_drop)
 
     check()
