@@ -56,8 +56,18 @@ def test_the_hook_counts_replayed_rows_and_agreement():
     h = hooks()
     h._hook(router(WEIGHT, action=RouterReplayAction.REPLAY_FORWARD, target=target, mask=mask), (HIDDEN,), None)
     metrics = h.counts.metrics()
-    assert metrics["actor/routing_replay/replayed_frac"] == pytest.approx(2 / 3)
+    assert metrics["actor/routing_replay/replayed_frac"] == 1.0  # every row reaching the loss has its route
     assert metrics["actor/routing_replay/topk_agreement"] == pytest.approx(1 / 2)
+
+
+def test_a_filler_route_inside_the_mask_is_not_replayed():
+    target = torch.tensor([[1, 0], [0, 0], [0, 2]])  # row 1 holds verl's all-equal filler, not a route
+    h = hooks()
+    mask = torch.tensor([True, True, False])
+    h._hook(router(WEIGHT, action=RouterReplayAction.REPLAY_FORWARD, target=target, mask=mask), (HIDDEN,), None)
+    metrics = h.counts.metrics()
+    assert metrics["actor/routing_replay/replayed_frac"] == pytest.approx(1 / 2)
+    assert metrics["actor/routing_replay/topk_agreement"] == 1.0
 
 
 @pytest.mark.parametrize("action", [None, RouterReplayAction.RECORD, RouterReplayAction.REPLAY_BACKWARD])

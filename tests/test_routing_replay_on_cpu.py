@@ -14,6 +14,7 @@ from verl_sat.routing.gates import (
     align_routes,
     find_routers,
     record_routes,
+    loss_rows,
     replay_routes,
     routes_per_sample,
 )
@@ -104,19 +105,25 @@ def test_routing_metrics_count_agreement_and_replayed_tokens(model):
     routes[0, 0] = 0  # an unrecorded row (verl's zero padding): keeps its own routing
     with replay_routes(model, routes, mask) as hooks:
         model(input_ids=ids, attention_mask=mask)
-    real, unrecorded = 14 * 4, 4
+    reaching, unrecorded = (14 - 2) * 4, 4  # each sequence's last row reaches no loss term
     assert hooks.counts.metrics() == {
-        "actor/routing_replay/replayed_frac": (real - unrecorded) / real,
+        "actor/routing_replay/replayed_frac": (reaching - unrecorded) / reaching,
         "actor/routing_replay/topk_agreement": 1.0,
     }
+    # the rollout's layout (SGLang, vLLM): one row less per sequence, every row the loss needs
+    short = [rec.recorded(2)[0, :7], routes[1, :5]]
+    with replay_routes(model, short, mask) as hooks:
+        model(input_ids=ids, attention_mask=mask)
+    assert hooks.counts.metrics()["actor/routing_replay/replayed_frac"] == 1.0
     changed = copy.deepcopy(model)
+    generator = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for router in find_routers(changed):
-            router.weight.add_(0.5 * torch.randn_like(router.weight))
+            router.weight.add_(0.1 * torch.randn(router.weight.shape, generator=generator))
     with record_routes(changed) as own:
         changed(input_ids=ids, attention_mask=mask)
     mine = own.recorded(2)
-    replayed = mask.bool()[..., None].expand(2, 8, 4).clone()
+    replayed = loss_rows(mask)[..., None].expand(2, 8, 4).clone()
     replayed[0, 0] = False
     same = (mine.sort(-1).values == routes.sort(-1).values).all(-1)
     with replay_routes(changed, routes, mask) as hooks:

@@ -52,7 +52,7 @@ def check_r3_rows(rows: list[dict], lag: int) -> None:
     active, and fresh samples at fp32 agreement (so the synced weights are the ones SGLang samples with)."""
     check_sat_rows(rows, lag)
     for row in rows:
-        assert 0.95 < row["actor/routing_replay/replayed_frac"] < 1.0, row["actor/routing_replay/replayed_frac"]
+        assert row["actor/routing_replay/replayed_frac"] == 1.0, row["actor/routing_replay/replayed_frac"]
         assert 0.9 < row["actor/routing_replay/topk_agreement"] <= 1.0
         assert 0.0 < row["actor/sat_gate_rate"] <= 0.1 + 1e-6
         fresh = row.get("actor/sat_by_staleness/0/mismatch_abs_mean")

@@ -162,6 +162,19 @@ def align_routes(
     return indices, placed.unsqueeze(-1) & recorded
 
 
+def loss_rows(attention_mask: torch.Tensor) -> torch.Tensor:
+    """``[B, T]`` bool: the real rows whose routing reaches the loss, all but each sequence's last.
+
+    The last row's logits predict a token after the sequence, so no loss term depends on it (nor,
+    causally, on its routes); a rollout never routes it. verl's ``build_r3_replay_mask`` skips
+    the same row on Megatron.
+    """
+    real = attention_mask.bool()
+    after = torch.zeros_like(real)
+    after[:, :-1] = real[:, 1:]
+    return real & after
+
+
 def routes_per_sample(indices: torch.Tensor, attention_mask: torch.Tensor) -> list[torch.Tensor]:
     """Inverse of :func:`align_routes`: the rows ``[n_i, L, k]`` at each sequence's real tokens."""
     mask = attention_mask.bool()
@@ -174,9 +187,10 @@ def routes_per_sample(indices: torch.Tensor, attention_mask: torch.Tensor) -> li
 class RouteCounts:
     """Token-layer counts behind the routing metrics of a replayed forward (R3 paper's agreement).
 
-    ``real``: real tokens x MoE layers; ``replayed``: of those, the ones given a recorded route;
-    ``agreed``: of the replayed, the ones whose own top-k (the trainer's routing, before
-    replay) is the same set of experts as the replayed one.
+    ``real``: the rows whose routing reaches the loss (:func:`loss_rows`) x MoE layers;
+    ``replayed``: of those, the ones given a recorded route; ``agreed``: of the replayed, the
+    ones whose own top-k (the trainer's routing, before replay) is the same set of experts as
+    the replayed one. Under R3 every row that reaches the loss is replayed: ``replayed_frac`` 1.
     """
 
     def __init__(self) -> None:
@@ -187,9 +201,10 @@ class RouteCounts:
 
         Summed on the device, without a host sync per layer; :meth:`metrics` reads them once.
         """
-        replay = replay.to(own.device)
+        real = real.to(own.device)
+        replay = replay.to(own.device) & real
         same = (own.sort(-1).values == target.to(own).sort(-1).values).all(-1)
-        sums = torch.stack([real.to(own.device).sum(), replay.sum(), (same & replay).sum()])
+        sums = torch.stack([real.sum(), replay.sum(), (same & replay).sum()])
         self._sums = sums if self._sums is None else self._sums + sums
 
     def metrics(self, prefix: str = "actor/routing_replay") -> dict[str, float]:
@@ -221,7 +236,7 @@ class RouterHooks:
         self._recorded: list[list[torch.Tensor]] = [[] for _ in self.routers]
         self._targets: torch.Tensor | None = None  # [N, L, k], N = flat tokens of the forward
         self._replay: torch.Tensor | None = None  # [N, L] bool
-        self._real: torch.Tensor | None = None  # [N] bool, the real (non-padding) tokens
+        self._real: torch.Tensor | None = None  # [N] bool, the rows whose routing reaches the loss
         self.replayed_layers = 0
         self.counts = RouteCounts()
 
@@ -253,7 +268,7 @@ class RouterHooks:
         self.mode = "replay"
         self._targets = indices.flatten(0, 1)
         self._replay = replay.flatten(0, 1)
-        self._real = attention_mask.bool().flatten()
+        self._real = loss_rows(attention_mask).flatten()
         self.replayed_layers = 0
 
     def recorded(self, batch_size: int) -> torch.Tensor:

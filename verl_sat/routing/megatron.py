@@ -9,16 +9,16 @@ hook on every router recomputes the router's own choice from the same input,
     z_t  = gating(h_t)                     (the logits the router has just used)
     own_t = top-k(score(z_t))              (score = z for softmax routers, sigmoid(z) + bias else)
 
-and counts, per MoE layer and routed row t, whether ``R_t`` was replayed (verl's replay mask,
-all rows when it has none) and whether ``set(own_t) == set(R_t)``. The metrics are the FSDP
-replay engine's (``verl_sat.routing.gates.RouteCounts``):
+and counts, per MoE layer, the rows whose routing reaches the loss (R3: verl's replay mask,
+``build_r3_replay_mask``, every real row but each sequence's last; R2: all rows), whether
+``R_t`` there is a recorded route (not the all-equal filler verl aligns with), and whether
+``set(own_t) == set(R_t)``. The metrics are the FSDP replay engine's
+(``verl_sat.routing.gates.RouteCounts``):
 
-    actor/routing_replay/replayed_frac = replayed rows / routed rows
+    actor/routing_replay/replayed_frac = rows given a recorded route / rows reaching the loss
     actor/routing_replay/topk_agreement = replayed rows with own_t = R_t / replayed rows
 
-Routed rows are the rows the router sees: with packed sequences (thd) that includes the few
-alignment rows verl pads with, which are never replayed, so ``replayed_frac`` sits slightly
-below 1 under R3 (verl also leaves each response's final row to the router).
+so ``replayed_frac`` is 1 when the rollout returned a route for every row the loss depends on.
 
 The hook adds one small matmul per MoE layer in replayed forwards only. :class:`MegatronRouteMetrics`
 is mixed over verl's ``MegatronEngineWithLMHead`` by ``verl_sat.trainer.engines`` for a Megatron
@@ -91,8 +91,9 @@ class RouteAgreementHooks:
                 return  # verl's own check raises on a misaligned replay; nothing to count here
             mask = getattr(replay, "target_replay_mask", None)
             routed = torch.ones(own.shape[0], dtype=torch.bool, device=own.device)
-            replayed = routed if mask is None else mask.reshape(-1).bool().to(own.device)
-            self.counts.add(own, target, replayed, routed)
+            reaching = routed if mask is None else mask.reshape(-1).bool().to(own.device)
+            recorded = ~(target == target[:, :1]).all(-1) if target.shape[-1] > 1 else routed
+            self.counts.add(own, target, recorded.to(own.device), reaching)
 
 
 class MegatronRouteMetrics:
