@@ -13,8 +13,8 @@ from verl_sat.rollout.sampling import SamplingParams
 from verl_sat.routing.gates import (
     align_routes,
     find_routers,
-    record_routes,
     loss_rows,
+    record_routes,
     replay_routes,
     routes_per_sample,
 )
