@@ -39,7 +39,7 @@ from verl.workers.engine import EngineRegistry  # noqa: E402
 
 from verl_sat.cpu.megatron import TRANSFORMER_OVERRIDES  # noqa: E402
 from verl_sat.cpu.megatron_config import CPUMcoreEngineConfig  # noqa: E402
-from verl_sat.trainer.faults import ADAM_STEP_MARKER  # noqa: E402
+from verl_sat.verl_fixes import ADAM_STEP_MARKER  # noqa: E402
 
 STEPS = 3
 

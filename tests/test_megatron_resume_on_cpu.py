@@ -3,7 +3,7 @@
 ``tests/megatron_resume_run.py`` (a subprocess: it initialises torch.distributed) trains verl's own
 ``MegatronEngineWithLMHead`` for 3 optimizer steps, saves verl's checkpoint and loads it into fresh
 engines through verl's ``MegatronCheckpointManager`` and megatron-core 0.16.1's ``dp_reshardable``
-load (verl's default). With verl-sat's plugin (``verl_sat.trainer.faults.keep_adam_step``) the
+load (verl's default). With verl-sat's plugin (``verl_sat.verl_fixes.keep_adam_step``) the
 resumed optimizer holds the saved step, one tensor per parameter, and the next step is step 4;
 megatron-core's own load gives step 0 (and one step tensor shared by every parameter). About 45 s
 on 2 shared cores, most of it imports and three engine builds.
@@ -89,9 +89,9 @@ def test_the_plugin_installs_the_fix_on_every_platform() -> None:
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
     from verl_sat import verl_fixes
-    from verl_sat.trainer.faults import ADAM_STEP_MARKER, megatron_adam_step_on_resume
+    from verl_sat.verl_fixes import ADAM_STEP_MARKER, megatron_core_adam_step_on_resume_0_16_to_0_19
 
-    assert megatron_adam_step_on_resume in verl_fixes.FIXES
+    assert megatron_core_adam_step_on_resume_0_16_to_0_19 in verl_fixes.FIXES
     assert getattr(DistributedOptimizer.load_state_dict, ADAM_STEP_MARKER, False)
-    megatron_adam_step_on_resume()  # a second install wraps nothing again
+    megatron_core_adam_step_on_resume_0_16_to_0_19()  # a second install wraps nothing again
     assert not getattr(DistributedOptimizer.load_state_dict.__wrapped__, ADAM_STEP_MARKER, False)

@@ -25,9 +25,9 @@ bug, named after the bug and the verl version it was read in. CPU-only fixes sta
   agent loop refills its group, and the job hangs. The fix decodes the string where verl receives
   it (the server's tokenizer manager) into the ``[tokens, layers, top_k]`` int32 tensor verl's
   ``.numpy()`` expects (``true``), or gives verl's import the module it looks for (``false``).
-- ``verl_sat.trainer.faults.megatron_adam_step_on_resume``: megatron-core's distributed optimizer,
+- :func:`megatron_core_adam_step_on_resume_0_16_to_0_19`: megatron-core's distributed optimizer,
   loaded the way verl's Megatron checkpoint manager loads it (``dp_reshardable``), resumes Adam at
-  a stale step (docs/faults.md#kill-and-resume).
+  a stale step (docs/faults.md#kill-and-resume); :func:`keep_adam_step` restores it.
 """
 
 from __future__ import annotations
@@ -41,7 +41,6 @@ from typing import Any
 import numpy as np
 
 from verl_sat.hooks import when_imported, wrap_once
-from verl_sat.trainer.faults import megatron_adam_step_on_resume
 
 SEPARATE_ASYNC_LOGGER = "verl.trainer.ppo.v1.trainer_separate_async"
 SGLANG_HTTP_ENGINE_LOGGER = "verl.workers.rollout.sglang_rollout.http_server_engine"
@@ -53,6 +52,8 @@ SGLANG_OLD_CAPTURER_MODULE = "sglang.srt.layers.moe.routed_experts_capturer"
 SGLANG_ROUTES_FORMAT_VERSIONS = ("0.5.12",)
 # Set on the functions decode_sglang_routes wraps, so that each is wrapped once.
 ROUTES_MARKER = "__verl_sat_decodes_routes__"
+DISTRIB_OPTIMIZER_MODULE = "megatron.core.optimizer.distrib_optimizer"
+ADAM_STEP_MARKER = "__verl_sat_keeps_adam_step__"
 
 
 class FlushTolerantLogger(logging.Logger):
@@ -183,11 +184,57 @@ def sglang_routed_experts_base64_0_9_1_sglang_0_5_12() -> None:
     when_imported(SGLANG_SERVER_MODULE, decode_sglang_routes)
 
 
+def keep_adam_step(optimizer: Any) -> int:
+    """Give every Adam state's ``step`` its param group's ``step`` (the one the checkpoint restored),
+    one tensor per parameter. Returns how many states it set.
+
+    megatron-core's ``DistributedOptimizer.load_state_dict`` (0.16.1 to 0.19, and its main branch)
+    restores the step into the param groups, then loads the ``dp_reshardable`` parameter state
+    (verl's default), whose ``step`` is the template's own value (``LocalNonpersistentObject``):
+    that stale step overwrites the restored one. torch's AdamW on CPU then resumes at step 0, and
+    all parameters share one step tensor, advanced once per parameter per optimizer step; the
+    offloaded ``HybridDeviceOptimizer`` (the paper cell's) resumes at 1 (SkyRL PR #1403). A state
+    without ``step`` (TransformerEngine's FusedAdam keeps it in the param group) is left as it is.
+    """
+    import torch
+
+    inner = optimizer.optimizer
+    count = 0
+    for group in inner.param_groups:
+        if "step" not in group or group["step"] is None:
+            continue
+        for param in group["params"]:
+            state = inner.state.get(param)
+            if state and isinstance(state.get("step"), torch.Tensor):
+                state["step"] = torch.full_like(state["step"], float(group["step"]))
+                count += 1
+    return count
+
+
+def keeping_adam_step(module: Any) -> None:
+    """Wrap ``module.DistributedOptimizer.load_state_dict`` so that :func:`keep_adam_step` follows it."""
+
+    def make(original: Any) -> Any:
+        def load_state_dict(self: Any, state_dict: Any) -> Any:
+            out = original(self, state_dict)
+            keep_adam_step(self)
+            return out
+
+        return load_state_dict
+
+    wrap_once(module.DistributedOptimizer, "load_state_dict", ADAM_STEP_MARKER, make)
+
+
+def megatron_core_adam_step_on_resume_0_16_to_0_19() -> None:
+    """``DistributedOptimizer.load_state_dict``: Adam's step kept across a resume (module docstring)."""
+    when_imported(DISTRIB_OPTIMIZER_MODULE, keeping_adam_step)
+
+
 FIXES = (
     separate_async_logger_flush_kwarg_0_9_1,
     sglang_launch_logger_flush_kwarg_0_9_1,
     sglang_routed_experts_base64_0_9_1_sglang_0_5_12,
-    megatron_adam_step_on_resume,
+    megatron_core_adam_step_on_resume_0_16_to_0_19,
 )
 
 

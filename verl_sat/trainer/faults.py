@@ -229,62 +229,6 @@ def check_writable(path: Path, key: str) -> None:
 
 
 # ---------------------------------------------------------------------------------------------
-# the actor side: a Megatron optimizer resumed with its Adam step (docs/faults.md#kill-and-resume)
-# ---------------------------------------------------------------------------------------------
-DISTRIB_OPTIMIZER_MODULE = "megatron.core.optimizer.distrib_optimizer"
-ADAM_STEP_MARKER = "__verl_sat_keeps_adam_step__"
-
-
-def keep_adam_step(optimizer: Any) -> int:
-    """Give every Adam state's ``step`` its param group's ``step`` (the one the checkpoint restored),
-    one tensor per parameter. Returns how many states it set.
-
-    megatron-core's ``DistributedOptimizer.load_state_dict`` (0.16.1 to 0.19, and its main branch)
-    restores the step into the param groups, then loads the ``dp_reshardable`` parameter state
-    (verl's default), whose ``step`` is the template's own value (``LocalNonpersistentObject``):
-    that stale step overwrites the restored one. torch's AdamW on CPU then resumes at step 0, and
-    all parameters share one step tensor, advanced once per parameter per optimizer step; the
-    offloaded ``HybridDeviceOptimizer`` (the paper cell's) resumes at 1 (SkyRL PR #1403). A state
-    without ``step`` (TransformerEngine's FusedAdam keeps it in the param group) is left as it is.
-    """
-    import torch
-
-    inner = optimizer.optimizer
-    count = 0
-    for group in inner.param_groups:
-        if "step" not in group or group["step"] is None:
-            continue
-        for param in group["params"]:
-            state = inner.state.get(param)
-            if state and isinstance(state.get("step"), torch.Tensor):
-                state["step"] = torch.full_like(state["step"], float(group["step"]))
-                count += 1
-    return count
-
-
-def keeping_adam_step(module: Any) -> None:
-    """Wrap ``module.DistributedOptimizer.load_state_dict`` so that :func:`keep_adam_step` follows it."""
-    from verl_sat.hooks import wrap_once
-
-    def make(original: Any) -> Any:
-        def load_state_dict(self: Any, state_dict: Any) -> Any:
-            out = original(self, state_dict)
-            keep_adam_step(self)
-            return out
-
-        return load_state_dict
-
-    wrap_once(module.DistributedOptimizer, "load_state_dict", ADAM_STEP_MARKER, make)
-
-
-def megatron_adam_step_on_resume() -> None:
-    """Install :func:`keeping_adam_step` once megatron-core's distributed optimizer is imported (every platform)."""
-    from verl_sat.hooks import when_imported
-
-    when_imported(DISTRIB_OPTIMIZER_MODULE, keeping_adam_step)
-
-
-# ---------------------------------------------------------------------------------------------
 # the trainer side (verl's TaskRunner): injected faults and the save guard
 # ---------------------------------------------------------------------------------------------
 def scale_lr(worker: Any, factor: float) -> list[float]:
