@@ -47,9 +47,10 @@ def title(process: psutil.Process) -> str:
 
 
 def check_r3_rows(rows: list[dict], lag: int) -> None:
-    """SGLang's routes replayed on every step: every routed row but each response's last (SGLang, like
-    vLLM, returns ``prompt + response - 1`` rows: the last token never passes through the model), SAT
-    active, and fresh samples at fp32 agreement (so the synced weights are the ones SGLang samples with)."""
+    """SGLang's routes replayed on every step: a route for every row the loss depends on (SGLang, like
+    vLLM, returns ``prompt + response - 1`` rows: the last token never passes through the model and
+    reaches no loss term), SAT active, and fresh samples at fp32 agreement (so the synced weights are
+    the ones SGLang samples with)."""
     check_sat_rows(rows, lag)
     for row in rows:
         assert row["actor/routing_replay/replayed_frac"] == 1.0, row["actor/routing_replay/replayed_frac"]
@@ -88,6 +89,32 @@ def test_the_main_job_trains_on_sglang_with_r3_then_its_scheduler_dies(assets: P
     assert summary["skipped"] == [] and summary["repeated"] == [] and summary["lost_in_flight"] is None
     trained = trained_ids(run_dir)
     assert len(trained) == len(set(trained)) == summary["prompts_trained"] >= 4 * 16
+
+
+@pytest.mark.parametrize(
+    ("overrides", "lag", "stalest", "strategy"),
+    [
+        # one broadcast cycle of 8 optimizer steps: its last batch was sampled 7 steps before
+        (("sat.lag=8", "trainer.total_training_steps=1"), 8, 7, "fsdp2"),
+        (("sat.strategy=megatron", "trainer.total_training_steps=4"), 2, 2, "megatron"),
+    ],
+    ids=["fsdp-lag8", "megatron-lag2"],
+)
+def test_the_main_job_on_sglang_exits_0_at_lag_8_and_on_megatron(
+    assets: Path, tmp_path: Path, overrides: tuple[str, ...], lag: int, stalest: int, strategy: str
+) -> None:
+    """The same job to its end at the other lag and on the other engine: exit 0, SGLang's routes replayed
+    on every step (verl's Megatron router replay for ``sat.strategy=megatron``), SAT active."""
+    run_dir = tmp_path / "run"
+    cmd = command(assets, run_dir, SGLANG, "sat.routing_replay=R3", *overrides)
+    out = subprocess.run(cmd, env=env(), cwd=tmp_path, capture_output=True, text=True, timeout=3600)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-5000:]
+    rows = rows_of(run_dir)
+    check_r3_rows(rows, lag)
+    assert max(r["training/sat/staleness_steps/max"] for r in rows) == stalest  # the lag is realised
+    config = json.loads((run_dir / "run.json").read_text())["config"]
+    assert config["actor_rollout_ref"]["actor"]["strategy"] == strategy
+    assert config["trainer"]["v1"]["separate_async"]["parameter_sync_step"] == lag
 
 
 def test_the_papers_cell_runs_on_cpu(tmp_path: Path) -> None:
