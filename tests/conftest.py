@@ -13,6 +13,7 @@ from verl.workers.config.actor import ActorConfig
 
 import verl_sat.trainer.recipe  # noqa: F401  (registers the ConfigStore nodes the YAML composes)
 from verl_sat import SATPolicyLossConfig
+from verl_sat.default import model as tiny
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.append(str(REPO))  # the studies' shared code (studies/lib, not installed) imports as studies.lib
@@ -78,6 +79,22 @@ def random_batch(
         "advantages": adv.to(dtype),
         "response_mask": mask,
     }
+
+
+@pytest.fixture(scope="module")
+def model_and_tokenizer():
+    """The tiny MoE (seed 0, eval mode) and its tokenizer, built in code; one thread."""
+    torch.set_num_threads(1)
+    tokenizer = tiny.build_tokenizer()
+    return tiny.build_model(tiny.build_config(tokenizer), seed=0).eval(), tokenizer
+
+
+@pytest.fixture
+def varied_reward(monkeypatch):
+    """An untrained model never answers right: score by response length so groups have variance."""
+    from verl_sat.default import reward
+
+    monkeypatch.setattr(reward, "compute_score", lambda source, text, answer: float(len(text) % 2))
 
 
 @pytest.fixture(scope="session")

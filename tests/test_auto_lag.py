@@ -7,7 +7,6 @@ import json
 from pathlib import Path
 
 import pytest
-import torch
 from hypothesis import given
 from hypothesis import strategies as st
 from sat_strategies import PROPERTY, assert_biting_share
@@ -263,15 +262,6 @@ def test_the_console_and_run_json_show_the_broadcasts(tmp_path):
 
 
 # -- the study loop, driven by the same rule ------------------------------------------------------
-@pytest.fixture(scope="module")
-def model_and_tokenizer():
-    from verl_sat.default import model as tiny
-
-    torch.set_num_threads(1)
-    tokenizer = tiny.build_tokenizer()
-    return tiny.build_model(tiny.build_config(tokenizer), seed=0).eval(), tokenizer
-
-
 def test_the_study_loop_broadcasts_by_the_rule_and_keeps_the_staleness_bound(model_and_tokenizer, monkeypatch):
     from studies.lib.loop import LoopConfig, StudyLoop
     from verl_sat.default import reward

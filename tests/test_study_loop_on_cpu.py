@@ -9,23 +9,7 @@ import torch
 
 import verl_sat  # noqa: F401  (registers the SAT losses)
 from studies.lib.loop import LoopConfig, StudyLoop
-from verl_sat.default import model as tiny
 from verl_sat.rollout.engine import EngineOptions, HFEngine, fixed_logit_bias
-
-
-@pytest.fixture(scope="module")
-def model_and_tokenizer():
-    torch.set_num_threads(1)
-    tokenizer = tiny.build_tokenizer()
-    return tiny.build_model(tiny.build_config(tokenizer), seed=0).eval(), tokenizer
-
-
-@pytest.fixture
-def varied_reward(monkeypatch):
-    """An untrained model never answers right: score by response length so groups have variance."""
-    from verl_sat.default import reward
-
-    monkeypatch.setattr(reward, "compute_score", lambda source, text, answer: float(len(text) % 2))
 
 
 def run(model_and_tokenizer, **overrides) -> list[dict]:
