@@ -114,3 +114,45 @@ def test_docs_quote_the_committed_interim_rows(curve):
     assert quotes
     for quote in quotes:
         assert quote in docs, quote
+
+
+def _value(text: str):
+    """A runs.csv cell as the harness wrote it: empty is None, then bool, int, float, else the text."""
+    if text == "":
+        return None
+    if text in ("True", "False"):
+        return text == "True"
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text
+
+
+def test_docs_quote_the_complete_study_recomputed_from_the_committed_rows(curve, protocol):
+    """docs/study.md's contrast and activity tables and README's curve-study figures, from the committed
+    runs.csv (all 64 runs, the protocol's commit and blob in every row) through the harness's analysis."""
+    path = REPO / "studies" / "curve" / "results" / "runs.csv"
+    text = {"tag", "name", "arm"}  # text columns: "" stays "" (the untagged runs)
+    stats = [{k: v if k in text else _value(v) for k, v in row.items()} for row in csv.DictReader(path.open())]
+    state = curve.base.protocol_state(curve.PROTOCOL)
+    assert len(stats) == 64 and {(r["protocol_commit"], r["protocol_blob"]) for r in stats} == {
+        (state["protocol_commit"], state["protocol_blob"])
+    }
+    result = curve.analyse(stats, protocol, curve.auc_checkpoints(protocol))
+    assert result["seeds"] == list(range(4001, 4017))
+    docs = (REPO / "docs" / "study.md").read_text()
+    lines = curve.quote_lines(result, protocol["alpha"])[2:] + curve.activity_lines(result)[2:]
+    for line in lines:
+        assert line in docs, line
+    readme = " ".join((REPO / "README.md").read_text().split())
+
+    def quoted(family: str, measure: str) -> str:
+        (r,) = result["families"][family][measure]
+        lo, hi = r["ci"]
+        return f"{r['diff']:+.3f} [{lo:+.3f}, {hi:+.3f}]"
+
+    assert f"on 16 fresh seeds {quoted('b_reference', curve.AUC)} over the curve" in readme
+    assert f"{quoted('b_reference', 'heldout_acc@240')} at step 240" in readme
+    assert f"the paper's packing: {quoted('a', curve.AUC)} over the curve" in readme

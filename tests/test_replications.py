@@ -94,7 +94,8 @@ def test_readme_quotes_the_table_in_order():
     order = ["GSPO + R3 + TIS", "GSPO + R3 + IcePop", "GSPO + R3 + geometric rejection", "CISPO + R3"]
     assert replicated == [table[(ref, "after step 240")] for ref in order]
 
-    dppo = figures(readme_bullet(readme, "Level with DPPO-TV + R3 at step 240").split(" here,", 1)[1])
+    dppo_bullet = readme_bullet(readme, "Ahead of DPPO-TV + R3 early, close at step 240")
+    dppo = figures(dppo_bullet.split(" here,", 1)[1].split("; on 16 fresh seeds", 1)[0])
     steps = ("after step 240", "after step 60", "after step 120", "after step 180")
     assert dppo == [table[("DPPO-TV + R3", s)] for s in steps]
 

@@ -372,7 +372,10 @@ def interim_quotes(rows: Sequence[dict[str, Any]]) -> list[str]:
         return [r for r in rows if r["arm"] == name]
 
     def seeds(runs: Sequence[dict[str, Any]]) -> str:
-        return ("seed " if len(runs) == 1 else "seeds ") + ", ".join(str(r["seed"]) for r in runs)
+        numbers = sorted(int(r["seed"]) for r in runs)
+        if len(numbers) > 2 and numbers == list(range(numbers[0], numbers[-1] + 1)):
+            return f"seeds {numbers[0]}-{numbers[-1]}"
+        return ("seed " if len(numbers) == 1 else "seeds ") + ", ".join(map(str, numbers))
 
     quotes = []
     mbq, sat = arm("sat_gspo_r3_mbq"), arm("sat_gspo_r3")
