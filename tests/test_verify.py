@@ -16,7 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from verl_sat.eval import compute_score, extract_answer, is_equivalent, normalize_answer, verify
-from verl_sat.eval.verify import call_with_alarm, latex_to_sympy_source, to_number
+from verl_sat.eval.verify import call_with_alarm, to_number
 
 FIXTURES = Path(__file__).parent / "fixtures"
 
@@ -141,11 +141,23 @@ def test_to_number() -> None:
     assert to_number("x") is None
 
 
-def test_sympy_source_rejects_code() -> None:
-    assert latex_to_sympy_source("__import__('os')") is None
-    assert latex_to_sympy_source("open(1)") is None
-    assert latex_to_sympy_source("10^{10^{10}}") is None
-    assert latex_to_sympy_source("\\frac{\\sqrt{2}}{2}") == "((sqrt(2))/(2))"
+def test_code_is_never_evaluated_and_what_math_verify_cannot_parse_is_not_equal(monkeypatch) -> None:
+    """Only math-verify's LaTeX extraction reaches SymPy: Python in an answer stays text, never run
+    through SymPy's ``parse_expr`` (which evaluates it)."""
+    from sympy.parsing import sympy_parser
+
+    sources, parse_expr = [], sympy_parser.parse_expr
+
+    def spy(source, *args, **kwargs):
+        sources.append(str(source))
+        return parse_expr(source, *args, **kwargs)
+
+    monkeypatch.setattr(sympy_parser, "parse_expr", spy)
+    assert not is_equivalent("__import__('os').getcwd()", "0")
+    assert not is_equivalent("open(1)", "1")
+    assert not is_equivalent("10^{10^{10}}", "10^{10^{10}}+1")  # refused before any symbolic work
+    assert is_equivalent("\\frac{\\sqrt{2}}{2}", "\\sqrt{2}/2")
+    assert sources and all(s.replace(".", "").isdigit() for s in sources), sources  # number tokens only
 
 
 def test_compute_score_signature_and_ground_truth_forms() -> None:

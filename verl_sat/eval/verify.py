@@ -18,8 +18,8 @@ Pipeline (docs/eval.md, "The verifier"):
    thousands separators, trailing period, ``x =`` prefixes, leading zeros (``"025" == "25"``).
 3. ``is_equivalent``: equal strings; else exact rational comparison of numbers (fast, and
    ``0.333 != 1/3``); else math-verify (``math_verify.parse`` + ``math_verify.verify``: LaTeX,
-   intervals, sets, tuples, matrices, relations), floats compared to 12 decimals; else, when
-   math-verify cannot parse a side, a restricted SymPy parser. Symbolic checks are screened for
+   intervals, sets, tuples, matrices, relations), floats compared to 12 decimals; a side it cannot
+   parse is "not equal". Symbolic checks are screened for
    huge powers and factorials and run under a SIGALRM timeout in a main thread: the caller's, or,
    for callers in other threads (verl scores rewards in a thread pool, where math-verify's own
    ``signal.alarm`` timeouts fail, so they are off), a spawned worker process's, as verl's own
@@ -291,110 +291,6 @@ def to_number(s: str) -> Fraction | None:
     return None
 
 
-_SYMPY_NAMES = {"sqrt", "pi", "oo", "log", "ln", "sin", "cos", "tan", "exp", "I", "E"}
-_LATEX_TO_PY = [
-    (r"\\infty", "oo"),
-    (r"\\pi", "pi"),
-    (r"\\cdot|\\times", "*"),
-    (r"\\div", "/"),
-    (r"\\ln", "log"),
-    (r"\\(log|sin|cos|tan|exp)", r"\1"),
-]
-
-
-def _replace_command(s: str, name: str, arity: int, fmt: Callable[[list[str]], str]) -> str | None:
-    """Rewrite ``\\name{a}{b}`` (with nested braces) using ``fmt([a, b])``; None when malformed."""
-    while True:
-        idx = s.find("\\" + name)
-        if idx < 0:
-            return s
-        pos = idx + len(name) + 1
-        args = []
-        root = None
-        if name == "sqrt" and pos < len(s) and s[pos] == "[":
-            close = s.find("]", pos)
-            if close < 0:
-                return None
-            root, pos = s[pos + 1 : close], close + 1
-        for _ in range(arity):
-            if pos >= len(s) or s[pos] != "{":
-                return None
-            end = _match_braces(s, pos)
-            if end is None:
-                return None
-            args.append(s[pos + 1 : end])
-            pos = end + 1
-        if root is not None:
-            args.append(root)
-        s = s[:idx] + fmt(args) + s[pos:]
-
-
-def latex_to_sympy_source(s: str) -> str | None:
-    """A Python/SymPy source string for a normalised LaTeX answer, or None when unsupported.
-
-    The result uses only numbers, operators, brackets, single-letter symbols and the names in
-    ``_SYMPY_NAMES``: nothing else can reach ``parse_expr`` (which evaluates Python).
-    """
-    s = _replace_command(s, "frac", 2, lambda a: f"(({a[0]})/({a[1]}))")
-    if s is None:
-        return None
-    s = _replace_command(s, "sqrt", 1, lambda a: f"(({a[0]})**(1/({a[1]})))" if len(a) == 2 else f"sqrt({a[0]})")
-    if s is None:
-        return None
-    for pattern, repl in _LATEX_TO_PY:
-        s = re.sub(pattern, repl, s)
-    s = s.replace("{", "(").replace("}", ")").replace("^", "**")
-    if "\\" in s or "__" in s or not re.fullmatch(r"[\w+\-*/().\s]*", s):
-        return None
-    for name in re.findall(r"[A-Za-z_]\w*", s):
-        if name not in _SYMPY_NAMES and not re.fullmatch(r"[A-Za-z]", name):
-            return None
-    if _has_huge_power(s):
-        return None
-    return s
-
-
-def _has_huge_power(source: str) -> bool:
-    """True for exponents that could take forever to evaluate: ``10**10000``, ``10**(10**10)``."""
-    if re.search(r"\*\*\s*\(*\s*\d{4,}", source) or source.count("**") > 4:
-        return True
-    for match in re.finditer(r"\*\*\s*\(", source):
-        depth, i = 0, match.end() - 1
-        while i < len(source):
-            depth += source[i] == "("
-            depth -= source[i] == ")"
-            if depth == 0:
-                break
-            i += 1
-        if "**" in source[match.end() : i]:
-            return True
-    return False
-
-
-def _sympy_equal(pred: str, gt: str) -> bool:
-    """SymPy equivalence of two normalised answers (raises on unparsable input)."""
-    import sympy
-    from sympy.parsing.sympy_parser import (
-        implicit_multiplication_application,
-        parse_expr,
-        standard_transformations,
-    )
-
-    transformations = (*standard_transformations, implicit_multiplication_application)
-    sources = [latex_to_sympy_source(x) for x in (pred, gt)]
-    if any(src is None or not src.strip() for src in sources):
-        raise ValueError("unsupported expression")
-    local = {"pi": sympy.pi, "oo": sympy.oo, "I": sympy.I, "E": sympy.E, "log": sympy.log}
-    a, b = (parse_expr(src, local_dict=local, transformations=transformations) for src in sources)
-    if a == b:
-        return True
-    if not (a.free_symbols or b.free_symbols):  # constants: compare numerically (fast, no simplify)
-        value = complex(sympy.N(a - b, 30))
-        scale = max(1.0, abs(complex(sympy.N(b, 30))))
-        return abs(value) <= 1e-12 * scale
-    return sympy.simplify(a - b) == 0
-
-
 # Exponents, factorials and powers of powers that SymPy may take unbounded time (or memory) on.
 _BIG_EXPONENT_DIGITS = 5  # 10^{9999} is evaluated; 10^{10000} is refused
 _BIG_FACTORIAL_RE = re.compile(r"\d{5,}\s*!")
@@ -477,9 +373,8 @@ def _math_verify_equal(pred: str, gt: str) -> bool | None:
 
 
 def _symbolic_check(pred: str, gt: str) -> bool:
-    """math-verify; when it cannot parse a side, the restricted SymPy parser (raises if unsupported)."""
-    verdict = _math_verify_equal(pred, gt)
-    return _sympy_equal(pred, gt) if verdict is None else verdict
+    """math-verify's verdict; a side it cannot parse is "not equal"."""
+    return bool(_math_verify_equal(pred, gt))
 
 
 @functools.lru_cache(maxsize=_CACHE_SIZE)
