@@ -32,7 +32,7 @@ PROTOCOL = HERE / "study_protocol_breadth.md"
 sys.path.insert(0, str(HERE.parent / "confirmatory"))
 import sat_study as base  # noqa: E402  (one harness: arms, specs, run statistics, protocol check)
 
-from studies.lib.stats import holm, mcnemar_exact  # noqa: E402  (sat_study put the repository root on sys.path)
+from studies.lib.stats import contrast_cells, holm, mcnemar_exact, p_text  # noqa: E402  (sat_study put the repository root on sys.path)
 
 PHASES = ("part1", "part2", "part3", "search", "confirm")
 KEY = "heldout_acc"
@@ -279,12 +279,9 @@ def quote_lines(result: dict[str, Any], alpha: float) -> list[str]:
         parts.append((result["confirm"]["accuracy"], "4 (Holm over 4)"))
     for rows, part in parts:
         for r in rows:
-            lo, hi = r["ci"]
-            positive = sum(d > 0 for d in r["diffs"])
             lines.append(
                 f"| {part} | {r['tag'] or 'draw0'} | {LABELS[r['arm']]} | {LABELS[r['reference']]} | "
-                f"{r['arm_mean']:.3f} | {r['ref_mean']:.3f} | {r['diff']:+.3f} [{lo:+.3f}, {hi:+.3f}] | "
-                f"{_p(r['wilcoxon_p'])} | {_p(r['holm_p'])} | {positive} of {r['seeds']} | {_reading(r, alpha)} |"
+                f"{contrast_cells(r)} | {_reading(r, alpha)} |"
             )
     return lines
 
@@ -313,7 +310,7 @@ def secondary_lines(stats: Sequence[dict[str, Any]], protocol: dict[str, Any]) -
                 lo, hi = r["ci"]
                 lines.append(
                     f"| {LABELS[arm]} - {LABELS[ref]} | {measure} | {r['arm_mean']:.3f} | {r['ref_mean']:.3f} | "
-                    f"{r['diff']:+.3f} [{lo:+.3f}, {hi:+.3f}] | {_p(r['wilcoxon_p'])} |"
+                    f"{r['diff']:+.3f} [{lo:+.3f}, {hi:+.3f}] | {p_text(r['wilcoxon_p'])} |"
                 )
     return lines
 
@@ -416,11 +413,6 @@ def table(rows: Sequence[dict[str, Any]], alpha: float) -> list[str]:
     return out
 
 
-def _p(p: float) -> str:
-    """A p-value as the tables print it: three decimals, or "< 0.001" (16 pairs reach 2 / 2^16)."""
-    return "< 0.001" if p < 0.001 else f"{p:.3f}"
-
-
 def _f(value: Any, spec: str) -> str:
     return format(value, spec) if isinstance(value, int | float) else "-"
 
@@ -437,7 +429,7 @@ def plot_parts(out: Path, result: dict[str, Any], minimum: float) -> None:
         for y, r in enumerate(rows):
             ax.errorbar(r["diff"], y, xerr=[[r["diff"] - r["ci"][0]], [r["ci"][1] - r["diff"]]], fmt="o", capsize=3)
             positive = sum(d > 0 for d in r["diffs"])
-            note = f"  Holm p {_p(r['holm_p'])}, {positive}/{r['seeds']} > 0"
+            note = f"  Holm p {p_text(r['holm_p'])}, {positive}/{r['seeds']} > 0"
             ax.annotate(note, (r["ci"][1], y), fontsize=7, va="center")
         ax.axvline(0.0, color="gray", lw=0.8)
         low, high = ax.get_xlim()

@@ -34,7 +34,7 @@ sys.path.insert(0, str(HERE.parent / "confirmatory"))
 import sat_study as base  # noqa: E402  (one harness: arms, specs, run statistics, protocol check)
 
 from studies.lib import harness  # noqa: E402  (sat_study put the repository root on sys.path)
-from studies.lib.stats import holm, paired_t_interval  # noqa: E402
+from studies.lib.stats import contrast_cells, holm, paired_t_interval  # noqa: E402
 
 AUC = "auc"
 LABELS = {
@@ -183,10 +183,6 @@ def reading(r: dict[str, Any], alpha: float) -> str:
     return "differs" if r["holm_p"] < alpha else "no difference detected"
 
 
-def _p(p: float) -> str:
-    return "< 0.001" if p < 0.001 else f"{p:.3f}"
-
-
 def _f(value: Any, spec: str) -> str:
     return format(value, spec) if isinstance(value, int | float) else "-"
 
@@ -208,12 +204,9 @@ def quote_lines(result: dict[str, Any], alpha: float) -> list[str]:
     for name, measures in result["families"].items():
         for key, rows in measures.items():
             for r in rows:
-                lo, hi = r["ci"]
-                positive = sum(d > 0 for d in r["diffs"])
                 lines.append(
                     f"| {name} | {LABELS[r['arm']]} | {LABELS[r['reference']]} | {MEASURES[key]} | "
-                    f"{r['arm_mean']:.3f} | {r['ref_mean']:.3f} | {r['diff']:+.3f} [{lo:+.3f}, {hi:+.3f}] | "
-                    f"{_p(r['wilcoxon_p'])} | {_p(r['holm_p'])} | {positive} of {r['seeds']} | {reading(r, alpha)} |"
+                    f"{contrast_cells(r)} | {reading(r, alpha)} |"
                 )
     return lines
 

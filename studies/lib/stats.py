@@ -138,6 +138,22 @@ def paired_comparison(a: Mapping[Any, float], b: Mapping[Any, float]) -> dict[st
     }
 
 
+def p_text(p: float) -> str:
+    """A p-value as the tables print it: three decimals, or "< 0.001" (16 pairs reach 2 / 2^16)."""
+    return "< 0.001" if p < 0.001 else f"{p:.3f}"
+
+
+def contrast_cells(r: Mapping[str, Any]) -> str:
+    """One Holm-adjusted paired contrast's table cells, as every study prints them: arm and reference
+    means, the difference with its paired t 95% interval, Wilcoxon and Holm p, the positive pairs."""
+    lo, hi = r["ci"]
+    positive = sum(d > 0 for d in r["diffs"])
+    return (
+        f"{r['arm_mean']:.3f} | {r['ref_mean']:.3f} | {r['diff']:+.3f} [{lo:+.3f}, {hi:+.3f}] | "
+        f"{p_text(r['wilcoxon_p'])} | {p_text(r['holm_p'])} | {positive} of {r['seeds']}"
+    )
+
+
 def holm(pvalues: Sequence[float]) -> list[float]:
     """Holm's step-down adjustment of a family of m p-values, in their given order:
     p~_(i) = max_{j <= i} min(1, (m - j + 1) p_(j)) over the ascending order p_(1) <= ... <= p_(m)."""

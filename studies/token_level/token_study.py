@@ -33,7 +33,7 @@ import sat_study as base  # noqa: E402  (protocol check, assets fingerprint, pai
 
 from studies.lib import harness  # noqa: E402
 from studies.lib.loop import HELDOUT_KEY  # noqa: E402
-from studies.lib.stats import holm  # noqa: E402
+from studies.lib.stats import contrast_cells, holm  # noqa: E402
 from studies.token_level.instrument import TOKEN_CLASSES  # noqa: E402
 from studies.token_level.token_loop import COUNTERFACTUAL, TokenLoopConfig  # noqa: E402
 
@@ -302,10 +302,6 @@ def _f(v: float | None, spec: str = ".3f") -> str:
     return "-" if v is None else format(v, spec)
 
 
-def _p(p: float) -> str:
-    return "< 0.001" if p < 0.001 else f"{p:.3f}"
-
-
 def _ci(cell: dict[str, Any] | None, spec: str = ".3f") -> str:
     if not cell:
         return "-"
@@ -322,12 +318,9 @@ def contrast_lines(rows: Sequence[dict[str, Any]], alpha: float) -> list[str]:
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
-        lo, hi = r["ci"]
         reading = "differs" if r["holm_p"] < alpha else "no difference detected"
         lines.append(
-            f"| {LABELS[r['arm']]} - {LABELS[r['reference']]} | {r['seeds']} | {r['arm_mean']:.3f} | "
-            f"{r['ref_mean']:.3f} | {r['diff']:+.3f} [{lo:+.3f}, {hi:+.3f}] | {_p(r['wilcoxon_p'])} | "
-            f"{_p(r['holm_p'])} | {sum(d > 0 for d in r['diffs'])} of {r['seeds']} | {reading} |"
+            f"| {LABELS[r['arm']]} - {LABELS[r['reference']]} | {r['seeds']} | {contrast_cells(r)} | {reading} |"
         )
     return lines
 
