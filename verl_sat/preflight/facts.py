@@ -282,11 +282,6 @@ def distribution(name: str, paths: Sequence[str] | None = None) -> Any | None:
     return next(iter(metadata.distributions(name=name, path=list(sys.path if paths is None else paths))), None)
 
 
-def installed_version(name: str, paths: Sequence[str] | None = None) -> str | None:
-    found = distribution(name, paths)
-    return None if found is None else found.version
-
-
 def installed_versions(paths: Sequence[str] | None = None) -> dict[str, str]:
     """Every installed distribution (canonical name) -> version, the first on ``paths`` winning, as
     imports see them."""

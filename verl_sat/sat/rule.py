@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import NamedTuple
 
 import torch
 
@@ -94,14 +93,6 @@ def kernel_psi(u: torch.Tensor, q: torch.Tensor, kernel: str, exponent: float) -
     if kernel == "exponential":
         return torch.exp2(-z)
     raise ValueError(f"unknown SAT kernel {kernel!r}; expected 'hill' or 'exponential'")
-
-
-class RuleSettings(NamedTuple):
-    """The rule's settings: the quantile level of q and the kernel psi (docs/sat.md#the-rule)."""
-
-    alpha: float  # q = the alpha-quantile of |d| over T_act
-    kernel: str  # "hill" or "exponential"
-    exponent: float  # the kernel's exponent p
 
 
 @dataclass
