@@ -209,14 +209,16 @@ class LocalCluster:
         """Until ``count`` nodes are alive (a driver subprocess)."""
         self.nodes(count, timeout_s)
 
-    def stop(self) -> None:
-        """SIGTERM, then SIGKILL, to each process group this cluster started; nothing else."""
+    def stop(self, grace_s: float = 5.0) -> None:
+        """SIGTERM, then after ``grace_s`` SIGKILL, to each process group this cluster started; nothing
+        else. (A `ray start --block` node often outlasts any grace: CI waited 30 s on one.)"""
         for proc in reversed(self.procs):
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
         for proc in reversed(self.procs):
             try:
-                proc.wait(timeout=30)
+                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait(timeout=10)
