@@ -156,10 +156,15 @@ def align_routes(
                 )
             indices[i, real[:n]] = sample.to(device=mask.device, dtype=torch.int64)
             placed[i, real[:n]] = True
-    recorded = (
-        ~(indices == indices[..., :1]).all(-1) if top_k > 1 else torch.ones_like(indices[..., 0], dtype=torch.bool)
-    )
-    return indices, placed.unsqueeze(-1) & recorded
+    return indices, placed.unsqueeze(-1) & recorded_routes(indices)
+
+
+def recorded_routes(indices: torch.Tensor) -> torch.Tensor:
+    """``indices[..., k]`` -> bool ``[...]``: a recorded route, not the filler verl aligns with (its k
+    experts all equal: zeros); with top-1 every row counts as recorded."""
+    if indices.shape[-1] == 1:
+        return torch.ones(indices.shape[:-1], dtype=torch.bool, device=indices.device)
+    return ~(indices == indices[..., :1]).all(-1)
 
 
 def loss_rows(attention_mask: torch.Tensor) -> torch.Tensor:

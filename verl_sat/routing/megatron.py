@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from verl_sat.routing.gates import RouteCounts
+from verl_sat.routing.gates import RouteCounts, recorded_routes
 
 
 def megatron_replay_mode(actor_config: Any) -> str:
@@ -90,10 +90,11 @@ class RouteAgreementHooks:
             if own.shape != target.shape:
                 return  # verl's own check raises on a misaligned replay; nothing to count here
             mask = getattr(replay, "target_replay_mask", None)
-            routed = torch.ones(own.shape[0], dtype=torch.bool, device=own.device)
-            reaching = routed if mask is None else mask.reshape(-1).bool().to(own.device)
-            recorded = ~(target == target[:, :1]).all(-1) if target.shape[-1] > 1 else routed
-            self.counts.add(own, target, recorded.to(own.device), reaching)
+            if mask is None:  # R2: every row is replayed and reaches the loss
+                reaching = torch.ones(own.shape[0], dtype=torch.bool, device=own.device)
+            else:  # R3: verl's build_r3_replay_mask, every real row but each sequence's last
+                reaching = mask.reshape(-1).bool().to(own.device)
+            self.counts.add(own, target, recorded_routes(target).to(own.device), reaching)
 
 
 class MegatronRouteMetrics:
