@@ -116,26 +116,11 @@ def test_docs_quote_the_committed_interim_rows(curve):
         assert quote in docs, quote
 
 
-def _value(text: str):
-    """A runs.csv cell as the harness wrote it: empty is None, then bool, int, float, else the text."""
-    if text == "":
-        return None
-    if text in ("True", "False"):
-        return text == "True"
-    for kind in (int, float):
-        try:
-            return kind(text)
-        except ValueError:
-            pass
-    return text
-
-
 def test_docs_quote_the_complete_study_recomputed_from_the_committed_rows(curve, protocol):
     """docs/study.md's contrast and activity tables and README's curve-study figures, from the committed
     runs.csv (all 64 runs, the protocol's commit and blob in every row) through the harness's analysis."""
     path = REPO / "studies" / "curve" / "results" / "runs.csv"
-    text = {"tag", "name", "arm"}  # text columns: "" stays "" (the untagged runs)
-    stats = [{k: v if k in text else _value(v) for k, v in row.items()} for row in csv.DictReader(path.open())]
+    stats = curve.read_rows(path)
     state = curve.base.protocol_state(curve.PROTOCOL)
     assert len(stats) == 64 and {(r["protocol_commit"], r["protocol_blob"]) for r in stats} == {
         (state["protocol_commit"], state["protocol_blob"])
