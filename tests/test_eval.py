@@ -15,9 +15,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from omegaconf import OmegaConf
 
-from verl_sat.eval import avg_at_k, pass_at_k, pass_at_k_per_problem
 from verl_sat.eval.data import Problem, is_path_like, load_problems
 from verl_sat.eval.jobs import Completion, Job, SamplingConfig, make_jobs
+from verl_sat.eval.metrics import avg_at_k, pass_at_k, pass_at_k_per_problem
 from verl_sat.eval.sampling import append_metrics, main, run_eval
 from verl_sat.eval.server import ServerBackend, ServerError, api_base
 

@@ -349,17 +349,3 @@ def test_finish_run_summarises_into_run_json_and_a_collapse_exits_nonzero(tmp_pa
     assert rollback in lines
     assert lines[-1] == "[verl-sat] error: the run ended collapsed: " + sentinel["verdict"]["why"]
     assert json.loads((tmp_path / "run.json").read_text())["sentinel"]["rollbacks"][0]["target"] == 8
-
-
-def test_report_lists_each_runs_sample_accounting(tmp_path: Path):
-    from verl_sat.paper import report
-
-    run_dir = tmp_path / "sat_gspo-lag2"
-    run_dir.mkdir()
-    files.write_jsonl(run_dir / "metrics.jsonl", [{"step": 1, "data": {"critic/score/mean": 0.5}}])
-    files.write_jsonl(run_dir / "samples.jsonl", [submitted(1, [1, 2]), trained(1, [1])])
-    (run_dir / "run.json").write_text(json.dumps({"method": "sat_gspo", "lag": 2}))
-    finish_run(run_dir, log=lambda line: None)
-    report.main([str(run_dir), "--out", str(tmp_path / "out"), "--no-plots"])
-    table = (tmp_path / "out" / "samples.md").read_text().splitlines()
-    assert table[2] == "| sat_gspo-lag2 | 1 | 4 | 0 | - | - | - | 0 | 0 | no |"

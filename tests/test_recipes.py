@@ -20,6 +20,7 @@ from omegaconf import OmegaConf
 
 from verl_sat.files import hydra_config_dir
 from verl_sat.paper import grid as recipes
+from verl_sat.preflight.cli import resolve
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIG_DIR = hydra_config_dir()
@@ -69,7 +70,7 @@ BASE_CONTEXT = json.loads((REPO / "tests/fixtures/qwen3_30b_a3b_base/config.json
 # fixtures
 # ---------------------------------------------------------------------------------------------
 def _compose_resolved(cell: tuple[str, int]) -> dict[str, Any]:
-    return OmegaConf.to_container(recipes.resolved_cell(*cell, log=lambda line: None), resolve=True)
+    return OmegaConf.to_container(resolve(*cell), resolve=True)
 
 
 @pytest.fixture(scope="session")
@@ -547,7 +548,7 @@ def megatron_optimizer_config(cfg: Any) -> Any:
 
 def launched(method: str, lag: int, *overrides: str) -> Any:
     """A cell as ``verl_sat.main`` hands it to verl (``resolved_cell``: ``recipe.resolve``, the launch's own)."""
-    return recipes.resolved_cell(method, lag, overrides, log=lambda line: None)
+    return resolve(method, lag, overrides)
 
 
 @pytest.mark.gpu_branch

@@ -27,7 +27,12 @@ from verl_sat.paper.report import (
     run_label,
     run_styles,
 )
-from verl_sat.paper.table import PAPER_TABLE1, normalize_method, paper_row
+from verl_sat.paper.table import PAPER_TABLE1, normalize_method
+
+
+def paper_row(method):
+    return PAPER_TABLE1.get(normalize_method(method))
+
 
 RUNS = Path(__file__).parent / "fixtures" / "runs"
 RUN_DIRS = [RUNS / "sat_gspo_r3-lag8", RUNS / "baseline_run", RUNS / "gspo-lag1"]

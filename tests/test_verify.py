@@ -15,8 +15,15 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from verl_sat.eval import compute_score, extract_answer, is_equivalent, normalize_answer, verify
-from verl_sat.eval.verify import call_with_alarm, to_number
+from verl_sat.eval.verify import (
+    call_with_alarm,
+    compute_score,
+    extract_answer,
+    is_equivalent,
+    normalize_answer,
+    to_number,
+    verify,
+)
 
 FIXTURES = Path(__file__).parent / "fixtures"
 

@@ -106,23 +106,19 @@ def is_path_like(source: str) -> bool:
     return Path(source).expanduser().exists() or source.endswith(FILE_SUFFIXES) or source.startswith(("/", ".", "~"))
 
 
-def _load_hub(dataset_id: str, split: str, subset: str | None) -> list[dict[str, Any]]:
-    """Rows of a hub dataset (network access; ``datasets`` is one of verl's requirements)."""
+def _load_hub(dataset_id: str) -> list[dict[str, Any]]:
+    """Rows of a hub dataset's ``train`` split (network access; ``datasets`` is one of verl's requirements)."""
     import datasets
 
-    dataset = datasets.load_dataset(dataset_id, subset, split=split)
+    dataset = datasets.load_dataset(dataset_id, split="train")
     return [dict(row) for row in dataset]
 
 
-def load_problems(
-    source: str | Path, split: str = "train", subset: str | None = None, limit: int | None = None
-) -> list[Problem]:
+def load_problems(source: str | Path, limit: int | None = None) -> list[Problem]:
     """Problems from a local file (JSONL / JSON / parquet) or a hub dataset id.
 
     Args:
         source: a path, or a hub dataset id such as ``HuggingFaceH4/aime_2024``.
-        split: the hub split (ignored for files).
-        subset: the hub configuration name, if any (ignored for files).
         limit: keep only the first ``limit`` problems.
 
     Returns:
@@ -136,7 +132,7 @@ def load_problems(
         rows, label = _read_rows(path), str(path)
         where = "line" if path.suffix == ".jsonl" else "row"
     else:
-        rows, label, where = _load_hub(source_str, split, subset), f"{source_str}[{split}]", "row"
+        rows, label, where = _load_hub(source_str), source_str, "row"
     if limit is not None:
         rows = rows[:limit]
     problems = [problem_from_row(row, i, f"{label} {where} {i + 1}") for i, row in enumerate(rows)]

@@ -7,9 +7,9 @@ uninterrupted one would have asked for (docs/eval.md, docs/reproduce.md).
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 from verl_sat.eval.data import Problem
 
@@ -80,21 +80,6 @@ class Completion:
 
     text: str
     finish_reason: str
-
-
-class Backend(Protocol):
-    """Draws completions; yields each job with its completion, in any order.
-
-    ``describe()`` is written to ``summary.json``; ``identity()`` names what a resumed evaluation
-    must share with the one it continues (the model, how prompts are rendered); see
-    ``verl_sat.eval.store``. ``ServerBackend`` is the one the command line uses; tests pass others.
-    """
-
-    def generate(self, jobs: Sequence[Job], cfg: SamplingConfig) -> Iterator[tuple[Job, Completion]]: ...
-
-    def describe(self) -> dict[str, Any]: ...
-
-    def identity(self) -> dict[str, Any]: ...
 
 
 def build_messages(problem: Problem, instruction: str = DEFAULT_INSTRUCTION) -> tuple[dict[str, str], ...]:

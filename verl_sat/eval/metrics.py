@@ -39,9 +39,5 @@ def pass_at_k(counts: Sequence[tuple[int, int]], k: int) -> float:
 
 
 def avg_at_k(counts: Sequence[tuple[int, int]]) -> float:
-    """Mean over problems of the per-problem accuracy ``c / n`` (the paper's avg@k)."""
-    if not counts:
-        raise ValueError("avg_at_k needs at least one problem")
-    for n, c in counts:
-        _check_counts(n, c)
-    return sum(c / n for n, c in counts) / len(counts)
+    """Mean over problems of the per-problem accuracy ``c / n`` (the paper's avg@k): pass@1, exactly."""
+    return pass_at_k(counts, 1)

@@ -24,7 +24,7 @@ from typing import Any
 from tqdm import tqdm
 
 from verl_sat.eval.data import Problem, load_problems
-from verl_sat.eval.jobs import DEFAULT_INSTRUCTION, Backend, Completion, Job, SamplingConfig, make_jobs
+from verl_sat.eval.jobs import DEFAULT_INSTRUCTION, Completion, Job, SamplingConfig, make_jobs
 from verl_sat.eval.metrics import avg_at_k, pass_at_k, pass_at_k_per_problem
 from verl_sat.eval.server import ContextLengthError, ServerBackend, ServerError
 from verl_sat.eval.store import SAMPLES, ResumeRefused, SampleLog, UnfinishedEvaluation, eval_settings
@@ -107,7 +107,7 @@ def score_sample(problem: Problem, job: Job, completion: Completion, dataset: st
 
 def run_eval(
     problems: Sequence[Problem],
-    backend: Backend,
+    backend: ServerBackend,
     cfg: SamplingConfig,
     out_dir: str | Path,
     instruction: str = DEFAULT_INSTRUCTION,
@@ -161,7 +161,6 @@ def run_eval(
     finally:
         getattr(samples, "close", lambda: None)()  # a generator's requests in flight are cancelled
         bar.close()
-        log.close()
     order = {p.id: i for i, p in enumerate(problems)}
     records.sort(key=lambda r: (order[r["problem_id"]], r["sample_index"]))
     summary = {"dataset": dataset, "source": source, **summarize(problems, records, cfg.k)}
@@ -197,8 +196,6 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m verl_sat.eval", description=__doc__.split("\n\n")[0])
     p.add_argument("--server", metavar="URL", required=True, help="OpenAI-compatible server: http://HOST:PORT")
     p.add_argument("--data", default=DEFAULT_DATASET, help="JSONL/JSON/parquet path or hub dataset id")
-    p.add_argument("--split", default="train", help="hub split")
-    p.add_argument("--subset", default=None, help="hub configuration name")
     p.add_argument("--limit", type=int, default=None, help="evaluate only the first N problems")
     p.add_argument("--name", default="aime24", help="dataset name used in outputs and metric keys")
     p.add_argument("--out", required=True, help="output directory (samples.jsonl, eval_config.json, summary.json)")
@@ -264,7 +261,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         max_tokens=args.max_tokens,
         seed=None if args.seed == -1 else args.seed,
     )
-    problems = load_problems(args.data, split=args.split, subset=args.subset, limit=args.limit)
+    problems = load_problems(args.data, limit=args.limit)
     try:
         backend = ServerBackend(
             args.server,

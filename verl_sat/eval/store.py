@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict
 from pathlib import Path
@@ -29,6 +28,7 @@ from typing import Any
 
 from verl_sat.eval.data import Problem
 from verl_sat.eval.jobs import SamplingConfig
+from verl_sat.files import append_jsonl, read_jsonl, write_jsonl
 
 SAMPLES = "samples.jsonl"
 SETTINGS = "eval_config.json"
@@ -64,41 +64,12 @@ def eval_settings(
     }
 
 
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with tmp.open("w", encoding="utf-8") as fh:
-        fh.write(text)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
-
-
 def read_samples(path: Path) -> list[dict[str, Any]]:
-    """The samples of a ``samples.jsonl``. A torn last line (the process died while writing it) is
-    dropped and cut from the file; any other line that is not a JSON object is an error."""
-    if not path.is_file():
-        return []
-    raw = path.read_bytes()
-    lines = raw.split(b"\n")
-    records, good_bytes = [], 0
-    for lineno, line in enumerate(lines, start=1):
-        last = lineno == len(lines)
-        try:
-            record = json.loads(line) if line.strip() else None
-        except ValueError:
-            if last:  # no newline after it: the write was cut short
-                break
-            raise ValueError(
-                f"{path}: line {lineno} is not valid JSON; fix or delete the line, then --resume"
-            ) from None
-        if record is not None and not isinstance(record, dict):
-            raise ValueError(f"{path}: line {lineno} is not a JSON object")
-        if record is not None:
-            records.append(record)
-        good_bytes += len(line) + (0 if last else 1)
-    if good_bytes < len(raw):
-        with path.open("r+b") as fh:
-            fh.truncate(good_bytes)
+    """The samples of a ``samples.jsonl`` (``verl_sat.files.read_jsonl``: a line that does not parse,
+    such as a torn last one, is dropped); the file is rewritten without it, so appends start clean."""
+    records = read_jsonl(path)
+    if path.is_file():
+        write_jsonl(path, records)
     return records
 
 
@@ -149,7 +120,6 @@ class SampleLog:
         self.out = Path(out_dir)
         self.path = self.out / SAMPLES
         self.settings_path = self.out / SETTINGS
-        self._fh: Any = None
 
     def open(
         self, settings: Mapping[str, Any], resume: bool, problems: Sequence[Problem], cfg: SamplingConfig
@@ -168,8 +138,7 @@ class SampleLog:
             self._refuse_unfinished()
             self.path.write_text("", encoding="utf-8")
         (self.out / SUMMARY).unlink(missing_ok=True)
-        _write_atomic(self.settings_path, json.dumps(dict(settings), indent=2, ensure_ascii=False) + "\n")
-        self._fh = self.path.open("a", encoding="utf-8")
+        self.settings_path.write_text(json.dumps(dict(settings), indent=2, ensure_ascii=False) + "\n")
         return kept
 
     def _kept(
@@ -195,19 +164,10 @@ class SampleLog:
             )
 
     def append(self, record: Mapping[str, Any]) -> None:
-        """Write one sample and flush it to the operating system (it survives the process)."""
-        self._fh.write(json.dumps(record, ensure_ascii=False) + "\n")
-        self._fh.flush()
-
-    def close(self) -> None:
-        if self._fh is not None:
-            self._fh.flush()
-            os.fsync(self._fh.fileno())
-            self._fh.close()
-            self._fh = None
+        """Write one sample (the file is closed after each line, so it survives the process)."""
+        append_jsonl(self.path, [dict(record)])
 
     def finish(self, records: Sequence[Mapping[str, Any]], summary: Mapping[str, Any]) -> None:
         """A complete evaluation: rewrite the samples in (problem, sample) order, then the summary."""
-        self.close()
-        _write_atomic(self.path, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))
-        _write_atomic(self.out / SUMMARY, json.dumps(dict(summary), indent=2, ensure_ascii=False) + "\n")
+        write_jsonl(self.path, records)
+        (self.out / SUMMARY).write_text(json.dumps(dict(summary), indent=2, ensure_ascii=False) + "\n")

@@ -92,15 +92,6 @@ def _last_boxed(text: str) -> tuple[int, str] | None:
     return None
 
 
-def extract_boxed(text: str) -> str | None:
-    """Content of the last ``\\boxed{...}`` / ``\\fbox{...}`` with nested braces, or None.
-
-    ``\\boxed 5`` (no braces) yields ``"5"``; an unclosed last box is skipped for an earlier one.
-    """
-    boxed = _last_boxed(text)
-    return None if boxed is None else boxed[1]
-
-
 def _last_answer_line(text: str) -> tuple[int, str] | None:
     """``(start, text)`` of the last non-empty ``Answer:`` / ``Final answer:`` line, or None."""
     for match in reversed(list(_ANSWER_LINE_RE.finditer(text))):
@@ -330,15 +321,8 @@ def _too_costly(latex: str) -> bool:
 FLOAT_ROUNDING = 12
 
 
-class _QuietDisabledTimeout(logging.Filter):
-    """Drops math-verify's one-time warning that its timeout is off: ``call_with_alarm`` is on."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return "Timeout is disabled" not in record.getMessage()
-
-
-for _logger in ("math_verify.parser", "math_verify.grader"):
-    logging.getLogger(_logger).addFilter(_QuietDisabledTimeout())
+# math-verify's only warnings here say its timeouts are off (``call_with_alarm`` bounds the work).
+logging.getLogger("math_verify").setLevel(logging.ERROR)
 
 
 @functools.lru_cache(maxsize=_CACHE_SIZE)
@@ -360,21 +344,16 @@ def _math_verify_parse(answer: str) -> tuple[Any, ...]:
     )
 
 
-def _math_verify_equal(pred: str, gt: str) -> bool | None:
-    """math-verify's verdict on two normalised answers; None when it cannot parse one of them."""
+def _symbolic_check(pred: str, gt: str) -> bool:
+    """math-verify's verdict on two normalised answers; a side it cannot parse is "not equal"."""
     import math_verify
     import sympy
 
     gold, answer = _math_verify_parse(gt), _math_verify_parse(pred)
     parsed = (sympy.Basic, sympy.MatrixBase)
     if not any(isinstance(x, parsed) for x in gold) or not any(isinstance(x, parsed) for x in answer):
-        return None
+        return False
     return bool(math_verify.verify(list(gold), list(answer), float_rounding=FLOAT_ROUNDING, timeout_seconds=None))
-
-
-def _symbolic_check(pred: str, gt: str) -> bool:
-    """math-verify's verdict; a side it cannot parse is "not equal"."""
-    return bool(_math_verify_equal(pred, gt))
 
 
 @functools.lru_cache(maxsize=_CACHE_SIZE)
@@ -408,8 +387,8 @@ def is_equivalent(pred: str, ground_truth: str, timeout: float = DEFAULT_TIMEOUT
 
 def _ground_truth_answer(ground_truth: str) -> str:
     """A ground truth may itself be a full solution: take its boxed answer when it has one."""
-    boxed = extract_boxed(ground_truth)
-    return boxed if boxed is not None else ground_truth
+    boxed = _last_boxed(ground_truth)
+    return boxed[1] if boxed is not None else ground_truth
 
 
 def verify(response: str, ground_truth: str) -> bool:

@@ -7,7 +7,7 @@ A *cell* is one row of Table 1 (a method) at one lag. It is the main config
 
 plus the run's name and directory (``sat.method``, ``sat.run_dir``). ``recipes/sat_paper/run.sh``
 launches a cell with the overrides printed by ``--overrides``; ``--print`` is a dry run that prints
-the config verl receives for any cell (:func:`resolved_cell`: composed, then changed by
+the config verl receives for any cell (``verl_sat.preflight.cli.resolve``: composed, then changed by
 ``verl_sat.trainer.recipe.resolve``, the function the launch runs; the run directory's own keys are
 set when the run starts)::
 
@@ -24,10 +24,12 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from omegaconf import DictConfig, OmegaConf
+
+from verl_sat.paper.table import LAGS  # the paper's lags n: trainer optimizer steps per weight broadcast
 
 # Table 1 row -> (algorithm group option, stabilizer group option).
 METHODS: dict[str, tuple[str, str]] = {
@@ -46,9 +48,6 @@ METHODS: dict[str, tuple[str, str]] = {
     "sat_grpo_r3": ("sat_grpo", "r3"),
     "sat_gspo_r3": ("sat_gspo", "r3"),
 }
-
-# The paper's lags n: trainer optimizer steps per weight broadcast.
-LAGS: tuple[int, ...] = (1, 8)
 
 # Rows that are evaluated, not trained (the base model's AIME24 score).
 EVAL_ONLY: frozenset[str] = frozenset({"base"})
@@ -154,19 +153,6 @@ def compose_cell(method: str, lag: int, overrides: Sequence[str] = ()) -> DictCo
         return compose(config_name=CONFIG_NAME, overrides=cell_args)
 
 
-def resolved_cell(
-    method: str, lag: int, overrides: Sequence[str] = (), log: Callable[[str], None] = print
-) -> DictConfig:
-    """One cell as verl receives it: :func:`compose_cell`, then every change ``verl_sat.main.prepare``
-    makes to it before the run directory (``verl_sat.trainer.recipe.resolve``: the lag's v1 keys,
-    Adam's betas for Megatron, the SAT trainer mode...). ``log`` gets verl-sat's lines."""
-    from verl_sat.trainer.recipe import resolve
-
-    cfg = compose_cell(method, lag, overrides)
-    resolve(cfg, log=log)
-    return cfg
-
-
 def format_grid(cells: Sequence[Cell]) -> str:
     """One line per run: method, lag, run name, algorithm and stabilizer options."""
     lines = []
@@ -210,8 +196,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.overrides:
         print("\n".join(cell_overrides(args.method, args.lag, run_dir=args.run_dir)))
         return 0
-    cfg = resolved_cell(args.method, args.lag, args.hydra_overrides, log=lambda line: print(line, file=sys.stderr))
-    print(OmegaConf.to_yaml(cfg, resolve=True))
+    from verl_sat.preflight.cli import resolve  # composed, then verl_sat.trainer.recipe.resolve (lines to stderr)
+
+    print(OmegaConf.to_yaml(resolve(args.method, args.lag, args.hydra_overrides)))
     return 0
 
 

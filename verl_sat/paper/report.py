@@ -35,13 +35,11 @@ import pandas as pd
 
 from verl_sat.files import read_metrics
 from verl_sat.paper.table import LAGS, PAPER_TABLE1, normalize_method
+from verl_sat.trainer.progress import DBAR_PI_KEY, Q_KEY, REWARD_KEY
+from verl_sat.trainer.progress import GATE_KEY as GATE_RATE_KEY
 
 # verl metric names (docs/sat.md#diagnostics; verl's trainer for the reward and validation keys).
-REWARD_KEYS = ("critic/score/mean", "critic/rewards/mean")
-DBAR_PI_KEY = "actor/mismatch_abs_mean"
-GATE_RATE_KEY = "actor/sat_gate_rate"
-Q_KEY = "actor/sat_q"
-C_MIN_KEY = "actor/sat_c_min"
+REWARD_KEYS = (REWARD_KEY, "critic/rewards/mean")
 # AIME24 accuracy, first match wins: our evaluator's key, then verl's validation keys.
 ACC_KEY_PATTERNS = (
     r"^eval/aime[-_]?(?:20)?24[^/]*/avg@(\d+)$",
@@ -51,12 +49,6 @@ ACC_KEY_PATTERNS = (
 )
 # One epoch of the paper's data: 30,712 prompts / 256 per iteration ~ 120 iterations (docs/reproduce.md).
 DEFAULT_LAST_N = 120
-# samples.md: column -> key of run.json's "samples" (docs/faults.md).
-SAMPLE_COLUMNS = {
-    "prompts trained": "prompts_trained", "responses": "responses_trained", "repeated": "repeated",
-    "skipped": "skipped", "lost in flight": "lost_in_flight", "in flight at end": "in_flight_at_end",
-    "regenerated": "regenerated",
-}  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------------
@@ -73,7 +65,6 @@ class Run:
     method: str
     lag: int
     metrics: pd.DataFrame = field(default_factory=pd.DataFrame)  # index: step; a column per metric
-    record: dict[str, Any] = field(default_factory=dict)  # run.json (samples, sentinel: docs/faults.md)
 
     def series(self, key: str | None) -> pd.Series:
         """The metric ``key`` by step, steps without it left out (empty when never logged)."""
@@ -132,7 +123,7 @@ def load_run(path: str | Path) -> Run:
     method, lag = (meta["method"], meta["lag"]) if "method" in meta and "lag" in meta else infer_method_lag(name)
     method, lag = normalize_method(str(meta.get("method", method))), int(meta.get("lag", lag))
     metrics = metric_frame(metrics_path)
-    return Run(name=str(meta.get("name", name)), path=path, method=method, lag=lag, metrics=metrics, record=meta)
+    return Run(name=str(meta.get("name", name)), path=path, method=method, lag=lag, metrics=metrics)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -294,27 +285,12 @@ def format_table1(table: pd.DataFrame, last_n: int = DEFAULT_LAST_N) -> str:
     return f"{title}\n\n{markdown(cells)}\n" + "\n".join(notes) + "\n"
 
 
-def samples_table(runs: Sequence[Run]) -> str:
-    """samples.md: each run's sample accounting and sentinel record from run.json (docs/faults.md)."""
-    rows = []
-    for run in runs:
-        samples, sentinel = run.record.get("samples"), run.record.get("sentinel") or {}
-        if samples is not None:
-            collapsed = "yes" if (sentinel.get("verdict") or {}).get("collapsed") else "no"
-            counts = [samples.get(key) for key in SAMPLE_COLUMNS.values()]
-            rows.append([run.name, *counts, sentinel.get("rollbacks", []), collapsed])
-    cells = pd.DataFrame(rows, columns=["run", *SAMPLE_COLUMNS, "rollbacks", "collapsed"], dtype=object)
-    return markdown(cells.map(lambda v: "-" if v is None else str(len(v) if isinstance(v, list) else v)))
-
-
-def write_tables(table: pd.DataFrame, runs: Sequence[Run], out: Path, last_n: int) -> None:
-    """table1.md, table1.csv, report.json, and samples.md when a run.json has sample accounting."""
+def write_tables(table: pd.DataFrame, out: Path, last_n: int) -> None:
+    """table1.md, table1.csv, report.json."""
     (out / "table1.md").write_text(format_table1(table, last_n), encoding="utf-8")
     table.to_csv(out / "table1.csv", index=False)
     records = table.astype(object).where(table.notna(), None).to_dict("records")
     (out / "report.json").write_text(json.dumps({"last_n": last_n, "rows": records}, indent=2) + "\n", encoding="utf-8")
-    if any("samples" in run.record for run in runs):
-        (out / "samples.md").write_text(samples_table(runs), encoding="utf-8")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -489,7 +465,7 @@ def main(argv: Sequence[str] | None = None) -> pd.DataFrame:
     table = build_table(runs, args.last_n, rule, args.acc_key, args.all_paper_rows)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    write_tables(table, runs, out, args.last_n)
+    write_tables(table, out, args.last_n)
     if not args.no_plots:
         write_plots(runs, table, out, args.smooth, args.acc_key)
     print(format_table1(table, args.last_n))

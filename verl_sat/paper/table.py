@@ -86,8 +86,3 @@ def normalize_method(name: str) -> str:
     if "r3" in tokens:
         parts.append("r3")
     return "_".join(parts)
-
-
-def paper_row(method: str) -> PaperRow | None:
-    """The paper's row for a method name (any spelling ``normalize_method`` accepts), or None."""
-    return PAPER_TABLE1.get(normalize_method(method))
