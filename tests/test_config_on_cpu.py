@@ -84,7 +84,7 @@ def test_the_policy_loss_defaults_node_is_the_dataclass():
 
 
 def test_the_sat_node_is_read_in_one_pass_naming_a_bad_key_under_its_prefix():
-    from verl_sat.trainer.config_node import config_from_node
+    from verl_sat.config_node import config_from_node
     from verl_sat.trainer.recipe import SATRecipeConfig
 
     node = OmegaConf.create({"lag": 8, "sentinel": {"enabled": True, "window": 30}, "heldout": {"at": [4, 2]}})

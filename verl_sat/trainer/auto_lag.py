@@ -33,7 +33,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from verl_sat.trainer.config_node import check_fields, config_from_node, flag, integer, number, one_of
+from verl_sat.config_node import check_fields, config_from_node, flag, integer, number, one_of
 
 AUTO = "auto"
 SIGNALS: dict[str, str] = {

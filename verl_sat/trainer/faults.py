@@ -79,7 +79,7 @@ class FaultConfig:
     @classmethod
     def from_node(cls, node: Any) -> FaultConfig:
         """From the ``sat.faults`` node (DictConfig, dict or None); unknown keys are an error."""
-        from verl_sat.trainer.config_node import config_from_node
+        from verl_sat.config_node import config_from_node
 
         return config_from_node(cls, node, "sat.faults")
 

@@ -23,8 +23,8 @@ from __future__ import annotations
 import functools
 from typing import Any
 
+from verl_sat.config_node import config_from_node
 from verl_sat.default.heldout import HELDOUT_GREEDY_KEY, HELDOUT_KEY, HeldoutConfig
-from verl_sat.trainer.config_node import config_from_node
 
 STEP_KEY = "eval/heldout_step"
 INITIAL_SUFFIX = "_initial"

@@ -42,10 +42,10 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf, open_dict
 
+from verl_sat.config_node import check_fields, checked, config_from_node, flag, one_of
 from verl_sat.default.heldout import HeldoutConfig
 from verl_sat.sat.config import SATPolicyLossConfig, sat_settings
 from verl_sat.trainer.auto_lag import AUTO, AutoLagConfig
-from verl_sat.trainer.config_node import check_fields, checked, config_from_node, flag, one_of
 from verl_sat.trainer.faults import FaultConfig
 from verl_sat.trainer.sentinel import SentinelConfig
 

@@ -61,7 +61,7 @@ from typing import Any
 
 import numpy as np
 
-from verl_sat.trainer.config_node import check_fields, checked, config_from_node, flag, integer, number, one_of, text
+from verl_sat.config_node import check_fields, checked, config_from_node, flag, integer, number, one_of, text
 
 ACTIONS = ("log", "stop", "rollback")
 AFTER_ROLLBACK = ("halve_lag", "none")
