@@ -379,14 +379,14 @@ def test_layout_refusal_names_the_pool_the_resources_and_the_largest_node():
     assert layout_refusal(cfg, [fake_node("a", 8)]) is None
     small = [fake_node("a" * 16, 4, cpus=8, head=True), fake_node("b" * 16, 2, cpus=16)]
     line = layout_refusal(cfg, small)
-    assert line.startswith("[verl-sat] error: verl's pools do not fit this Ray cluster")
+    assert line.startswith("verl's pools do not fit this Ray cluster")
     assert "pool trainer: 1 group(s) of 4 GPU + 12 CPU" in line and "pool rollout: 2 group(s) of 2 GPU + 4 CPU" in line
     assert f"the largest node, {small[0].name}, has 4 GPU + 8 CPU" in line
     assert "pool trainer's 4 GPU + 12 CPU exceed(s) every node" in line
     # each group fits some node, but not all of them together
     two = [fake_node("a", 4, cpus=12), fake_node("b", 2, cpus=4)]
     assert "together they exceed the 2 node(s)" in layout_refusal(cfg, two)
-    assert check_layout(cfg, two) and check_layout(cfg, small)  # the preflight agrees
+    assert [f.message for f in check_layout(cfg, small)] == [line] and check_layout(cfg, two)  # the preflight's
 
 
 def test_micro_batches_follow_the_data_parallel_size_and_keep_what_the_user_set():

@@ -65,7 +65,6 @@ def good_facts(cfg: DictConfig) -> Facts:
             "torch": "2.11.0",
         },
         extra_pins={
-            "verl-sat": {"verl": "0.9.1"},
             "sglang": {"sglang": "0.5.12"},
             "megatron": {"megatron-bridge": "0.5.2"},
         },
@@ -134,7 +133,8 @@ def seed_optimizer_on_gpu(cfg, facts):
 
 
 def seed_wrong_verl(cfg, facts):
-    return cfg, replace(facts, versions={**facts.versions, "verl": "0.9.0"})
+    unmet = node_facts.Unmet("verl-sat", "0.1.0", "verl[verl-core]==0.9.1", "0.9.0")
+    return cfg, replace(facts, versions={**facts.versions, "verl": "0.9.0"}, requirement_conflicts=(unmet,))
 
 
 def seed_wrong_sglang(cfg, facts):
@@ -246,7 +246,7 @@ SEEDED = [
     (seed_rollout_replica_not_dividing, checks.check_parallel_layout, "rollout.tensor_model_parallel_size"),
     (seed_busy_gpu, checks.check_gpu_memory, "rollout.gpu_memory_utilization"),
     (seed_optimizer_on_gpu, checks.check_gpu_memory, "override_optimizer_config.optimizer_cpu_offload"),
-    (seed_wrong_verl, checks.check_versions, "verl==0.9.1"),
+    (seed_wrong_verl, checks.check_requirements, "requires verl[verl-core]==0.9.1, installed 0.9.0"),
     (seed_wrong_sglang, checks.check_versions, "sglang==0.5.12"),
     (seed_sglang_without_routed_experts, checks.check_routing_replay, "rollout.enable_rollout_routing_replay"),
     (seed_no_nccl_engine, checks.check_checkpoint_engine, "checkpoint_engine.backend=nccl"),
@@ -698,21 +698,6 @@ def test_sat_trainers_leave_the_warm_up_to_verl() -> None:
     assert not [c for c in SATTrainerMixin.__mro__ if "on_train_begin" in vars(c)]
 
 
-def test_routing_replay_names_the_sglang_whose_routes_format_it_knows(cfg: DictConfig) -> None:
-    from verl_sat.verl_fixes import SGLANG_ROUTES_FORMAT_VERSIONS
-
-    assert SGLANG_ROUTES_FORMAT_VERSIONS == ("0.5.12",)  # the release verl 0.9.1 pins, read in its source
-    assert checks.check_routing_replay(cfg, good_facts(cfg)) == []
-    facts = good_facts(cfg)
-    facts = replace(facts, versions={**facts.versions, "sglang": "0.5.13"})
-    (warn,) = checks.check_routing_replay(cfg, facts)
-    assert warn.level == "warn" and warn.key == "actor_rollout_ref.rollout.enable_rollout_routing_replay"
-    assert "format of sglang 0.5.12" in warn.message and "sglang 0.5.13 is installed" in warn.message
-    # another engine: SGLang's routes are never decoded, nothing to say
-    set_key(cfg, "actor_rollout_ref.rollout.name", "vllm")
-    assert checks.check_routing_replay(cfg, facts) == []
-
-
 def test_unset_keep_counts_every_checkpoint(cfg: DictConfig) -> None:
     assert estimates.kept_checkpoints(cfg) == 2
     set_key(cfg, "trainer.max_actor_ckpt_to_keep", None)
@@ -918,21 +903,27 @@ def test_the_driver_sees_only_unknown_backend_where_the_preflight_shows_the_impo
 
 def test_pins_are_read_from_the_installed_metadata(cfg: DictConfig, tmp_path: Path, monkeypatch) -> None:
     """The verl verl-sat requires and the sglang verl's sglang extra pins come from the installed
-    METADATA: another verl's metadata first on the path moves the pin the check names."""
+    METADATA: another verl's metadata first on the path moves the pin the check names, and fails
+    verl-sat's own requirement on verl."""
     from importlib import metadata
 
-    _, pins, _ = node_facts.probe_packages()
-    assert pins["verl-sat"]["verl"] == metadata.version("verl")  # this environment installs what verl-sat requires
+    want = metadata.version("verl")  # this environment installs what verl-sat requires
     install_metadata(
         tmp_path, "verl", "0.9.2", ['sglang==0.6.1; extra == "sglang"', 'megatron-bridge==0.6.0; extra == "megatron"']
     )
     monkeypatch.syspath_prepend(str(tmp_path))
-    versions, pins, _ = node_facts.probe_packages()
+    versions, pins, conflicts = node_facts.probe_packages()
     assert (pins["sglang"]["sglang"], pins["megatron"]["megatron-bridge"]) == ("0.6.1", "0.6.0")
-    facts = replace(good_facts(cfg), versions={**good_facts(cfg).versions, "verl": versions["verl"]}, extra_pins=pins)
+    facts = replace(
+        good_facts(cfg),
+        versions={**good_facts(cfg).versions, "verl": versions["verl"]},
+        extra_pins=pins,
+        requirement_conflicts=conflicts,
+    )
     found = {f.key: f.message for f in failures(cfg, facts, checks.check_versions)}
-    assert set(found) == {"verl", "sglang"}
-    assert f"verl=={pins['verl-sat']['verl']}" in found["verl"] and "sglang==0.6.1" in found["sglang"]
+    assert set(found) == {"sglang"} and "sglang==0.6.1" in found["sglang"]
+    (verl,) = failures(cfg, facts, checks.check_requirements)
+    assert verl.key == "verl-sat" and f"requires verl[verl-core]=={want}, installed 0.9.2" in verl.message
 
 
 def test_probe_data_reads_columns_from_the_schema(tmp_path: Path) -> None:
@@ -1154,6 +1145,7 @@ def test_module_imports_nothing_heavy() -> None:
         "typing",
         "omegaconf",
         "verl_sat.default.assets",
+        "verl_sat.processes",  # standard library only: the watch thread the supervisor shares
     }, top
 
 

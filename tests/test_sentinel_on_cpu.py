@@ -20,6 +20,7 @@ from sat_strategies import PROPERTY, assert_biting_share
 from transfer_queue import KVBatchMeta
 from verl.trainer.ppo.v1.trainer_base import PPOTrainer
 
+from verl_sat.config_node import config_from_node
 from verl_sat.files import hydra_config_dir
 from verl_sat.trainer.actor import SATTrainerMixin
 from verl_sat.trainer.faults import EXIT_COLLAPSED, checkpoint_steps, collapse_exit, write_tracker
@@ -95,14 +96,16 @@ def test_robust_scale_is_sigma_for_gaussian_noise():
 
 def test_collapse_fires_right_after_patience_with_event_and_metrics():
     sentinel = CollapseSentinel(ON)
-    events = [(t, sentinel.update(t, row)) for t, row in stream(1, 130, onset=100, drop=0.3, spike=3.0)]
-    fired = [(t, e) for t, e in events if e is not None]
+    rows = stream(1, 130, onset=100, drop=0.3, spike=3.0)
+    events = [(t, sentinel.update(t, row), dict(sentinel.last_metrics), row) for t, row in rows]
+    fired = [(t, e) for t, e, _, _ in events if e is not None]
     t, event = fired[0]
+    _, _, metrics, row = events[t - 1]
     assert t == 100 + ON.patience - 1 and event.onset_step == 100 and event.action == "log"
-    assert event.mismatch_z >= ON.spike_z and event.reward < event.reward_band_low
-    assert event.metrics["sentinel/alarm"] == 1.0 and event.metrics["sentinel/low_run"] == ON.patience
+    assert metrics["sentinel/mismatch_z"] >= ON.spike_z and row[REWARD] < metrics["sentinel/reward_band_low"]
+    assert metrics["sentinel/alarm"] == 1.0 and metrics["sentinel/low_run"] == ON.patience
     for key in ("sentinel/reward_band_low", "sentinel/mismatch_z", "sentinel/grad_norm_z", "sentinel/entropy_z"):
-        assert math.isfinite(event.metrics[key])
+        assert math.isfinite(metrics[key])
     # the cooldown spaces out repeated alarms while the reward stays down
     assert all(b - a > ON.cooldown for (a, _), (b, _) in zip(fired, fired[1:], strict=False))
 
@@ -308,9 +311,9 @@ def test_sentinel_needs_the_sat_trainer():
 
 def test_config_from_hydra_node_and_cpu_yaml_matches_defaults():
     node = OmegaConf.create({"enabled": True, "action": "stop", "mismatch_keys": ["actor/sat_q"], "reward_k": 2})
-    config = SentinelConfig.from_node(node)
+    config = config_from_node(SentinelConfig, node, "sat.sentinel")
     assert config.enabled and config.action == "stop" and config.mismatch_keys == ("actor/sat_q",)
-    assert SentinelConfig.from_node(None) == SentinelConfig()
+    assert config_from_node(SentinelConfig, None, "sat.sentinel") == SentinelConfig()
     from hydra import compose, initialize_config_dir
 
     with initialize_config_dir(config_dir=str(hydra_config_dir()), version_base=None):
@@ -322,7 +325,7 @@ def test_config_from_hydra_node_and_cpu_yaml_matches_defaults():
     # the YAML itself sets only what differs from the class (stats.cpu_sentinel_config reads it raw)
     yaml = OmegaConf.load(Path(hydra_config_dir()) / "sat_gspo_cpu.yaml")
     assert set(yaml.sat.sentinel) == {"enabled", "window", "warmup"}
-    assert SentinelConfig.from_node(yaml.sat.sentinel) == cpu
+    assert config_from_node(SentinelConfig, yaml.sat.sentinel, "sat.sentinel") == cpu
 
 
 # ---------------------------------------------------------------------------------------------

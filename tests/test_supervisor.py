@@ -101,7 +101,7 @@ from verl_sat.trainer import supervisor
 
 run_dir = Path(sys.argv[1])
 os.environ[processes.RUN_DIR_ENV] = str(run_dir)
-supervisor.GRACE_S = 1.0
+supervisor.Supervisor.grace_s = 1.0
 dead = subprocess.Popen([sys.executable, "-c", "pass"])
 dead.wait()
 processes.register("rollout replica", "hf0", pid=dead.pid)
@@ -135,7 +135,7 @@ from verl_sat.trainer import supervisor
 assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN  # as a job started with & inherits it
 run_dir = Path(sys.argv[1])
 os.environ[processes.RUN_DIR_ENV] = str(run_dir)
-supervisor.GRACE_S = 300.0
+supervisor.Supervisor.grace_s = 300.0
 dead = subprocess.Popen([sys.executable, "-c", "pass"])
 dead.wait()
 processes.register("rollout replica", "hf0", pid=dead.pid)

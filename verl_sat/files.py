@@ -124,20 +124,27 @@ def read_metrics(path: Path, strict: bool = False) -> list[dict[str, Any]]:
 # ---------------------------------------------------------------------------------------------
 # run.json
 # ---------------------------------------------------------------------------------------------
+def read_json(path: Path) -> dict[str, Any] | None:
+    """The JSON object in ``path`` (None if missing, unreadable or not an object)."""
+    try:
+        record = json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        return None
+    return record if isinstance(record, dict) else None
+
+
+def write_json(path: Path, record: dict[str, Any]) -> None:
+    """Write ``record`` to ``path`` atomically (temporary file, then rename)."""
+    tmp = Path(path).with_name(Path(path).name + ".tmp")
+    tmp.write_text(json.dumps(record, indent=1))
+    os.replace(tmp, path)
+
+
 def read_run_record(run_dir: Path) -> dict[str, Any]:
     """``<run_dir>/run.json`` ({} if missing or unreadable)."""
-    try:
-        record = json.loads((Path(run_dir) / RUN_RECORD).read_text())
-    except (OSError, ValueError):
-        return {}
-    return record if isinstance(record, dict) else {}
+    return read_json(Path(run_dir) / RUN_RECORD) or {}
 
 
 def update_run_record(run_dir: Path, **sections: Any) -> None:
-    """Add ``sections`` to ``run.json`` (atomically: temporary file, then rename)."""
-    path = Path(run_dir) / RUN_RECORD
-    record = read_run_record(run_dir)
-    record.update(sections)
-    tmp = path.with_name(RUN_RECORD + ".tmp")
-    tmp.write_text(json.dumps(record, indent=1))
-    os.replace(tmp, path)
+    """Add ``sections`` to ``run.json``."""
+    write_json(Path(run_dir) / RUN_RECORD, {**read_run_record(run_dir), **sections})

@@ -47,9 +47,6 @@ SGLANG_HTTP_ENGINE_LOGGER = "verl.workers.rollout.sglang_rollout.http_server_eng
 SGLANG_SERVER_MODULE = "verl.workers.rollout.sglang_rollout.async_sglang_server"
 # Where SGLang < 0.5.12 kept the routes decoder, which verl 0.9.1 imports with skip_tokenizer_init=false.
 SGLANG_OLD_CAPTURER_MODULE = "sglang.srt.layers.moe.routed_experts_capturer"
-# The SGLang releases whose routed-experts wire format (base64 of int32 [tokens, layers, top_k],
-# C order) was read in their source; the preflight warns on any other.
-SGLANG_ROUTES_FORMAT_VERSIONS = ("0.5.12",)
 # Set on the functions decode_sglang_routes wraps, so that each is wrapped once.
 ROUTES_MARKER = "__verl_sat_decodes_routes__"
 DISTRIB_OPTIMIZER_MODULE = "megatron.core.optimizer.distrib_optimizer"

@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 from scipy import stats
 
+from verl_sat.config_node import config_from_node
 from verl_sat.trainer.sentinel import CollapseSentinel, SentinelConfig
 
 FINAL_FRAC = 0.25
@@ -42,7 +43,9 @@ def cpu_sentinel_config() -> SentinelConfig:
 
     from verl_sat.files import hydra_config_dir
 
-    return SentinelConfig.from_node(OmegaConf.load(Path(hydra_config_dir()) / "sat_gspo_cpu.yaml").sat.sentinel)
+    return config_from_node(
+        SentinelConfig, OmegaConf.load(Path(hydra_config_dir()) / "sat_gspo_cpu.yaml").sat.sentinel, "sat.sentinel"
+    )
 
 
 def replay_sentinel(rows: Rows, config: SentinelConfig) -> tuple[list[int], int]:

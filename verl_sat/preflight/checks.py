@@ -9,7 +9,7 @@ from typing import Any
 
 from omegaconf import DictConfig
 
-from verl_sat.preflight.cluster import Node, Unseen, place
+from verl_sat.preflight.cluster import Node, Unseen, layout_refusal
 from verl_sat.preflight.estimates import (
     MEGATRON,
     OPTIM,
@@ -60,26 +60,19 @@ def check_gpu_count(cfg: DictConfig, facts: Facts) -> list[Finding]:
     single_node = int(get(cfg, "trainer.nnodes", 1)) == 1 and int(get(cfg, f"{ROLLOUT}.nnodes", 0)) <= 1
     need = n_train + n_roll if single_node else max(n_train, n_roll)
     have = len(facts.gpus)
-    out = []
-    if have < need:
-        layout = f"trainer.n_gpus_per_node={n_train}" + (f" + {ROLLOUT}.n_gpus_per_node={n_roll}" if n_roll else "")
-        out.append(
-            Finding(
-                "gpu_count",
-                "trainer.n_gpus_per_node",
-                f"{layout} needs {need} GPUs on this node, {have} visible (CUDA_VISIBLE_DEVICES="
-                f"{os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}"
-                f"{f'; {facts.gpu_error}' if facts.gpu_error else ''}); run on a node with {need} GPUs or lower "
-                "trainer.n_gpus_per_node / actor_rollout_ref.rollout.n_gpus_per_node",
-            )
+    if have >= need:
+        return []
+    layout = f"trainer.n_gpus_per_node={n_train}" + (f" + {ROLLOUT}.n_gpus_per_node={n_roll}" if n_roll else "")
+    return [
+        Finding(
+            "gpu_count",
+            "trainer.n_gpus_per_node",
+            f"{layout} needs {need} GPUs on this node, {have} visible (CUDA_VISIBLE_DEVICES="
+            f"{os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}"
+            f"{f'; {facts.gpu_error}' if facts.gpu_error else ''}); run on a node with {need} GPUs or lower "
+            "trainer.n_gpus_per_node / actor_rollout_ref.rollout.n_gpus_per_node",
         )
-    if not single_node:
-        out.append(
-            Finding(
-                "gpu_count", "trainer.nnodes", "multi-node layout: only this node's GPUs were checked", level="warn"
-            )
-        )
-    return out
+    ]
 
 
 def check_parallel_layout(cfg: DictConfig, facts: Facts) -> list[Finding]:
@@ -198,30 +191,19 @@ def sglang_fix(facts: Facts) -> str:
 
 
 def check_versions(cfg: DictConfig, facts: Facts) -> list[Finding]:
-    """verl at the version verl-sat requires; with SGLang rollout, the sglang verl's ``sglang`` extra
-    pins (both read from the installed metadata, ``PINNED_BY``)."""
-    out = []
-    verl, want = facts.versions.get("verl"), facts.pin("verl-sat", "verl")
-    if verl is None or (want and verl != want):
-        out.append(
-            Finding(
-                "versions",
-                "verl",
-                f"verl {verl or 'not installed'}; verl-sat requires verl=={want or '(pyproject.toml)'}: "
-                "recipes/sat_paper/install_gpu.sh (docs/reproduce.md, 'Install on the GPU node')",
-            )
+    """With SGLang rollout, the sglang verl's ``sglang`` extra pins (read from the installed metadata,
+    ``PINNED_BY``); verl at the version verl-sat requires is ``check_requirements``'."""
+    want, have = facts.pin("sglang", "sglang"), facts.versions.get("sglang")
+    if str(get(cfg, f"{ROLLOUT}.name", "")) != "sglang" or not want or have == want:
+        return []
+    return [
+        Finding(
+            "versions",
+            "sglang",
+            f"sglang {have or 'not installed'}; {ROLLOUT}.name=sglang and verl {facts.versions.get('verl')}'s "
+            f"sglang extra pins sglang=={want}: pip install 'sglang=={want}'",
         )
-    want = facts.pin("sglang", "sglang")
-    if str(get(cfg, f"{ROLLOUT}.name", "")) == "sglang" and want and facts.versions.get("sglang") != want:
-        out.append(
-            Finding(
-                "versions",
-                "sglang",
-                f"sglang {facts.versions.get('sglang') or 'not installed'}; {ROLLOUT}.name=sglang and verl {verl}'s "
-                f"sglang extra pins sglang=={want}: pip install 'sglang=={want}'",
-            )
-        )
-    return out
+    ]
 
 
 def check_requirements(cfg: DictConfig, facts: Facts) -> list[Finding]:
@@ -229,12 +211,10 @@ def check_requirements(cfg: DictConfig, facts: Facts) -> list[Finding]:
     not meet (``Facts.requirement_conflicts``, read as pip check reads them). A named override of the
     GPU install (``verl_sat.preflight.stack.OVERRIDES``), with the version the install puts there
     (``GPU_STACK``), warns with its reason; any other fails, naming the dependent, the requirement
-    and what is installed. verl-sat's own pin on verl is ``check_versions``'. With SGLang's
-    flashinfer attention, flashinfer at SGLang's own floor (``check_flashinfer_floor``)."""
+    and what is installed (verl-sat's own pin on verl too). With SGLang's flashinfer attention,
+    flashinfer at SGLang's own floor (``check_flashinfer_floor``)."""
     out = []
     for unmet in facts.requirement_conflicts:
-        if unmet.dependent == "verl-sat" and unmet.target == "verl":
-            continue  # check_versions names it, with the install line
         override = override_for(unmet.dependent, unmet.requirement)
         kept = GPU_STACK.get(unmet.target)
         if override is not None and unmet.installed is not None and unmet.installed == kept:
@@ -323,8 +303,8 @@ def check_r3_padding(cfg: DictConfig) -> list[Finding]:
 
 
 def check_routing_replay(cfg: DictConfig, facts: Facts) -> list[Finding]:
-    """R3 on: remove-padding on (Megatron), SGLang's ServerArgs accepts ``enable_return_routed_experts``,
-    and the installed SGLang's routes format is the one verl-sat decodes (``check_routes_format``)."""
+    """R3 on: remove-padding on (Megatron) and SGLang's ServerArgs accepts ``enable_return_routed_experts``
+    (that SGLang is verl's pin, whose routes format verl-sat decodes, is ``check_versions``')."""
     padding = check_r3_padding(cfg)
     if not uses_r3(cfg) or str(get(cfg, f"{ROLLOUT}.name", "")) != "sglang":
         return padding
@@ -347,30 +327,7 @@ def check_routing_replay(cfg: DictConfig, facts: Facts) -> list[Finding]:
                 f"routed experts); {sglang_fix(facts)} or turn R3 off",
             )
         ]
-    return padding + check_routes_format(facts)
-
-
-def check_routes_format(facts: Facts) -> list[Finding]:
-    """The installed SGLang is one whose ``routed_experts`` wire format verl-sat's decoder was read
-    against (``verl_sat.verl_fixes.SGLANG_ROUTES_FORMAT_VERSIONS``: base64 of int32
-    ``[tokens, layers, top_k]``); another release warns, naming both."""
-    from verl_sat.verl_fixes import SGLANG_ROUTES_FORMAT_VERSIONS  # numpy and wrapt: not at import time
-
-    installed = facts.versions.get("sglang")
-    if installed in SGLANG_ROUTES_FORMAT_VERSIONS:
-        return []
-    known = ", ".join(SGLANG_ROUTES_FORMAT_VERSIONS)
-    return [
-        Finding(
-            "routing_replay",
-            f"{ROLLOUT}.enable_rollout_routing_replay",
-            f"R3 decodes SGLang's meta_info['routed_experts'] in the format of sglang {known} (base64 of int32 "
-            f"[tokens, layers, top_k]); sglang {installed or 'of unknown version'} is installed, whose format "
-            f"verl-sat has not read: a different one fails the first R3 request with the decoder's error "
-            f"(install sglang=={SGLANG_ROUTES_FORMAT_VERSIONS[-1]} to be sure)",
-            level="warn",
-        )
-    ]
+    return padding
 
 
 def cupy_cuda_major(distribution: str) -> str | None:
@@ -863,36 +820,23 @@ def check_gpu_slots(cfg: DictConfig, facts: dict[Node, Facts]) -> list[Finding]:
 
 
 def check_layout(cfg: DictConfig, nodes: Sequence[Node]) -> list[Finding]:
-    """The trainer and rollout pools fit the nodes' GPU (and CPU) slots as verl places them."""
-    groups = pool_bundles(cfg)
-    if place(groups, nodes) is not None:
+    """The trainer and rollout pools fit the nodes' GPU (and CPU) slots as verl places them
+    (``verl_sat.preflight.cluster.layout_refusal``, the job's own refusal)."""
+    refusal = layout_refusal(cfg, nodes)
+    if refusal is None:
         return []
-    need = ", ".join(f"{pool} {g} GPU + {c} CPU" for pool, g, c in groups)
-    have = ", ".join(f"{n.name}: {n.gpus} GPU, {n.cpus} CPU" for n in nodes)
-    key = "trainer.nnodes" if len(groups) > len(nodes) else "trainer.n_gpus_per_node"
-    return [
-        Finding(
-            "cluster_layout",
-            key,
-            f"verl places one group per node of each pool ({need}); they do not fit the cluster's "
-            f"{len(nodes)} node(s) ({have}): change trainer.nnodes / trainer.n_gpus_per_node / "
-            f"{ROLLOUT}.nnodes / {ROLLOUT}.n_gpus_per_node, or add nodes",
-        )
-    ]
-
-
-def check_shared_paths(unseen: Sequence[Unseen]) -> list[Finding]:
-    """Each path a node does not see (``verl_sat.preflight.cluster.paths_on_nodes``)."""
-    return [Finding("cluster_shared_dir", u.key, u.line()) for u in unseen]
+    key = "trainer.nnodes" if len(pool_bundles(cfg)) > len(nodes) else "trainer.n_gpus_per_node"
+    return [Finding("cluster_layout", key, refusal)]
 
 
 def run_cluster_checks(cfg: DictConfig, facts: dict[Node, Facts], unseen: Sequence[Unseen] = ()) -> list[Finding]:
-    """Every cluster check on the nodes' facts and the paths they do not see."""
+    """Every cluster check on the nodes' facts, and each path a node does not see
+    (``verl_sat.preflight.cluster.paths_on_nodes``)."""
     nodes = list(facts)
     return (
         check_each_node(cfg, facts)
         + check_same_versions(facts)
         + check_gpu_slots(cfg, facts)
         + check_layout(cfg, nodes)
-        + check_shared_paths(unseen)
+        + [Finding("cluster_shared_dir", u.key, u.line()) for u in unseen]
     )

@@ -21,11 +21,9 @@ and a connection the cluster refuses for authentication ends the launch with one
 
 from __future__ import annotations
 
-import _thread
+import functools
 import os
-import signal
 import sys
-import threading
 import time
 import uuid
 from collections.abc import Callable, Sequence
@@ -42,6 +40,7 @@ from verl_sat.default.assets import (
     TRAIN_FILES_KEY,
     VAL_FILES_KEY,
 )
+from verl_sat.processes import Watchdog
 
 # Ray's resource that only the head node holds.
 HEAD_RESOURCE = "node:__internal_head__"
@@ -131,22 +130,16 @@ def alive_nodes() -> list[Node]:
     return sorted(nodes, key=lambda n: (not n.is_head, n.ip, n.node_id))
 
 
-def on_node(node: Node, fn: Callable[..., Any], *args: Any) -> Any:
-    """An ``ObjectRef`` of ``fn(*args)`` run on ``node`` (no CPU reserved, never retried)."""
+def on_each_node(fn: Callable[..., Any], *args: Any, nodes: Sequence[Node] | None = None) -> dict[Node, Any]:
+    """``fn(*args)`` on every node at once (``nodes``, default all alive ones), each a task pinned to
+    its node (no CPU reserved, never retried): node -> result."""
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-    task = ray.remote(num_cpus=0, max_retries=0)(fn)
-    strategy = NodeAffinitySchedulingStrategy(node_id=node.node_id, soft=False)
-    return task.options(scheduling_strategy=strategy).remote(*args)
-
-
-def on_each_node(fn: Callable[..., Any], *args: Any, nodes: Sequence[Node] | None = None) -> dict[Node, Any]:
-    """``fn(*args)`` on every node at once (``nodes``, default all alive ones): node -> result."""
-    import ray
-
     nodes = list(nodes) if nodes is not None else alive_nodes()
-    refs = [on_node(node, fn, *args) for node in nodes]
+    task = ray.remote(num_cpus=0, max_retries=0)(fn)
+    pinned = [NodeAffinitySchedulingStrategy(node_id=node.node_id, soft=False) for node in nodes]
+    refs = [task.options(scheduling_strategy=strategy).remote(*args) for strategy in pinned]
     return dict(zip(nodes, ray.get(refs), strict=True))
 
 
@@ -204,8 +197,7 @@ def auth_refusal(address: str, user_mode: str | None) -> str:
     )
 
 
-def to_stderr(line: str) -> None:
-    print(line, file=sys.stderr, flush=True)
+to_stderr = functools.partial(print, file=sys.stderr, flush=True)
 
 
 def connect(address: str, log: Any = to_stderr) -> None:
@@ -233,8 +225,8 @@ def largest(nodes: Sequence[Node]) -> Node:
 
 
 def layout_refusal(cfg: DictConfig, nodes: Sequence[Node]) -> str | None:
-    """The line refusing a layout whose pools the nodes cannot hold, as the preflight's
-    ``cluster_layout`` places them (``place`` on ``estimates.pool_bundles``); None if they fit."""
+    """Why the nodes cannot hold the layout's pools, placed by ``place`` on ``estimates.pool_bundles``
+    (the preflight's ``cluster_layout`` finding, and the job's refusal); None if they fit."""
     from verl_sat.preflight.estimates import pool_bundles
 
     groups = pool_bundles(cfg)
@@ -248,7 +240,7 @@ def layout_refusal(cfg: DictConfig, nodes: Sequence[Node]) -> str | None:
     over = [f"pool {pool}'s {g} GPU + {c} CPU" for pool, g, c in pools if g > big.gpus or c > big.cpus]
     why = f"{' and '.join(over)} exceed(s) every node" if over else f"together they exceed the {len(nodes)} node(s)"
     return (
-        f"[verl-sat] error: verl's pools do not fit this Ray cluster, so its placement would wait forever: "
+        "verl's pools do not fit this Ray cluster, so its placement would wait forever: "
         f"{asked}, each group on one node; the largest node, {big.name}, has {big.gpus} GPU + {big.cpus} CPU: {why}. "
         "Change trainer.nnodes / trainer.n_gpus_per_node / actor_rollout_ref.rollout.nnodes / "
         "actor_rollout_ref.rollout.n_gpus_per_node, or start the nodes with more --num-gpus / --num-cpus"
@@ -404,7 +396,7 @@ def prepare_cluster(cfg: DictConfig, run_dir: Path, log: Any = print) -> bool:
     finally:
         ray.shutdown()
     if refusal:
-        raise SystemExit(refusal)
+        raise SystemExit(f"[verl-sat] error: {refusal}")
     if problems:
         raise FileNotFoundError(
             "a path only the driver's machine can see (the workers run on every node):\n  "
@@ -459,20 +451,26 @@ def not_placed_line(info: dict[str, Any], waited_s: float, nodes: Sequence[Node]
     )
 
 
-class PlacementWatch(threading.Thread):
+class PlacementWatch(Watchdog):
     """Stops the job when one of its placement groups stays pending past ``timeout_s``: verl waits
     on ``pg.ready()`` without a limit (``RayResourcePool.get_placement_groups``), inside its task
     runner, so the driver polls Ray's placement-group table every ``interval`` seconds, prints one
     line, interrupts itself and exits ``EXIT_NOT_PLACED`` (forced ``GRACE_S`` later if it hangs)."""
 
+    exit_code = EXIT_NOT_PLACED
+    grace_s = GRACE_S
+
     def __init__(self, timeout_s: float | None = None, interval: float = 2.0, out: TextIO | None = None) -> None:
-        super().__init__(daemon=True, name="verl-sat-placement")
+        super().__init__("verl-sat-placement", interval, out)
         self.timeout_s = placement_timeout_s() if timeout_s is None else float(timeout_s)
-        self.interval, self.out = interval, out
-        self.stopped = threading.Event()
-        self.lock = threading.Lock()  # no interrupt once __exit__ has stopped the watch
         self.first_seen: dict[str, float] = {}
-        self.line: str | None = None
+
+    def enabled(self) -> bool:
+        return self.timeout_s > 0
+
+    def report(self, failure: str) -> None:
+        self.failure = failure
+        print(failure, file=self.out or sys.stdout, flush=True)
 
     def check(self) -> str | None:
         """The line for the first of this job's groups pending past the timeout, else None."""
@@ -490,42 +488,3 @@ class PlacementWatch(threading.Thread):
         if not late:
             return None
         return not_placed_line(pending[late[0]], now - self.first_seen[late[0]], alive_nodes())
-
-    def run(self) -> None:
-        while not self.stopped.wait(self.interval):
-            line = self.check()
-            if line is None:
-                continue
-            with self.lock:
-                if self.stopped.is_set():
-                    return
-                self.line = line
-                print(line, file=self.out or sys.stdout, flush=True)
-                _thread.interrupt_main()
-            if not self.stopped.wait(GRACE_S):
-                os._exit(EXIT_NOT_PLACED)
-            return
-
-    def __enter__(self) -> PlacementWatch:
-        # _thread.interrupt_main() does nothing while SIGINT is ignored (a job started with `&`).
-        self._sigint = None
-        if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
-            self._sigint = signal.signal(signal.SIGINT, signal.default_int_handler)
-        if self.timeout_s > 0:
-            self.start()
-        return self
-
-    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> bool:
-        try:
-            with self.lock:
-                self.stopped.set()
-            if self.is_alive():
-                self.join()
-        except KeyboardInterrupt:  # the watch's interrupt, issued just before the driver got here
-            if self.line is None:
-                raise
-        if self._sigint is not None:
-            signal.signal(signal.SIGINT, self._sigint)
-        if self.line is not None:
-            raise SystemExit(EXIT_NOT_PLACED) from None
-        return False

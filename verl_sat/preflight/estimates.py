@@ -49,8 +49,7 @@ def as_list(value: Any) -> list[str]:
 
 def is_standalone_rollout(cfg: DictConfig) -> bool:
     """separate_async with ``hybrid_engine=false``: rollout GPUs are a pool of their own."""
-    mode = str(get(cfg, "trainer.v1.trainer_mode", "")).removeprefix("sat_")
-    return mode == "separate_async" and not bool(get(cfg, "actor_rollout_ref.hybrid_engine", True))
+    return base_mode(cfg) == "separate_async" and not bool(get(cfg, "actor_rollout_ref.hybrid_engine", True))
 
 
 def bridge_module(cfg: DictConfig) -> str:

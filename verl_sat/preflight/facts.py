@@ -11,7 +11,6 @@ loads it. torch, sglang, megatron, pyarrow and transformers are imported inside 
 
 from __future__ import annotations
 
-import functools
 import json
 import shutil
 import sys
@@ -25,9 +24,9 @@ from omegaconf import DictConfig
 from verl_sat.preflight.estimates import as_list, get
 from verl_sat.preflight.stack import GPU_STACK
 
-# The pins are read from the installed metadata, never retyped: the verl verl-sat requires
-# (pyproject.toml), the sglang and Megatron-Bridge verl's `sglang` / `megatron` extras pin.
-PINNED_BY = {"verl-sat": ("verl-sat", ""), "sglang": ("verl", "sglang"), "megatron": ("verl", "megatron")}
+# The pins are read from the installed metadata, never retyped: the sglang and Megatron-Bridge
+# verl's `sglang` / `megatron` extras pin (the verl verl-sat requires is one of its requirements).
+PINNED_BY = {"sglang": ("verl", "sglang"), "megatron": ("verl", "megatron")}
 # Megatron-Bridge's Requires-Python (0.4 and later, 0.5.1 and 0.6.0 read from their wheels).
 MEGATRON_BRIDGE_PYTHON = (3, 12)
 # The SGLang server argument R3 needs (verl's async_sglang_server sets it when
@@ -158,8 +157,8 @@ class Facts:
         cuda_runtime: torch's CUDA runtime version (``torch.version.cuda``), None without CUDA.
         python: this interpreter's (major, minor).
         versions: distribution of ``STACK`` -> installed version (None: not installed).
-        extra_pins: ``verl-sat`` (its own requirements) or an extra of the installed verl
-            (``sglang``, ``megatron``) -> distribution -> the version it pins with ``==``.
+        extra_pins: an extra of the installed verl (``sglang``, ``megatron``) -> distribution ->
+            the version it pins with ``==``.
         requirement_conflicts: the declared requirements of ``STACK``'s installed distributions that
             the installed packages do not meet (``Unmet``), as pip check finds them.
         sglang_flashinfer_min: the flashinfer floor the installed SGLang asserts itself
@@ -421,13 +420,6 @@ def ray_memory_threshold(environ: dict[str, str] | None = None) -> float:
     return threshold
 
 
-def cupy_distributions() -> tuple[str, ...]:
-    from importlib import metadata
-
-    names = {(d.metadata["Name"] or "").lower() for d in metadata.distributions()}
-    return tuple(sorted(n for n in names if n.startswith("cupy")))
-
-
 # ---------------------------------------------------------------------------------------------
 # modules and verl's registries
 # ---------------------------------------------------------------------------------------------
@@ -519,14 +511,7 @@ def local_model_dir(path: str) -> Path | None:
 def count_params(directory: Path) -> int | None:
     """Parameters of the model ``config.json`` describes, counted by transformers on the meta device
     (``AutoModelForCausalLM.from_config``: no memory, no weights on the node needed); None when
-    transformers cannot build that architecture. Counted once per directory and config text."""
-    config = Path(directory) / "config.json"
-    return _count_params(str(directory), config.read_text() if config.is_file() else "")
-
-
-@functools.lru_cache(maxsize=16)
-def _count_params(directory: str, config_text: str) -> int | None:
-    """``count_params`` for one directory whose config.json reads ``config_text``."""
+    transformers cannot build that architecture."""
     try:
         import torch
         from transformers import AutoConfig, AutoModelForCausalLM
@@ -629,7 +614,7 @@ def gather(cfg: DictConfig) -> Facts:
         sglang_routed_experts=routed_experts,
         checkpoint_engines=engines,
         checkpoint_engine_errors=engine_errors,
-        cupy_distributions=cupy_distributions(),
+        cupy_distributions=tuple(sorted(n for n in installed_versions() if n.startswith("cupy"))),
         host_mem_available_bytes=int(memory.available),
         host_mem_total_bytes=int(memory.total),
         ray_memory_threshold=ray_memory_threshold(),

@@ -3,8 +3,7 @@
 Every run writes ``<run_dir>/samples.jsonl``, one JSON object a line, appended by the trainer
 (``SampleAccountingMixin`` on ``SATTrainerMixin``; docs/faults.md). A prompt's stable id is the
 dataset row's ``index`` (verl's ``RLHFDataset`` copies ``extra_info.index`` into every row and
-the agent loop carries it into each trajectory's TransferQueue fields); a row without one is
-named by a hash of its prompt token ids. Events:
+the agent loop carries it into each trajectory's TransferQueue fields, and needs it there). Events:
 
     {"event": "epoch_order", "ids": [...]}              the sampler's first-epoch order (fresh runs)
     {"event": "submitted", "step": g, "prompts": [[uid, id], ...]}   handed to the rollout at step g
@@ -25,10 +24,9 @@ with ``"wb"``; ``keep_metrics_on_resume`` writes back the rows it emptied.
 
 from __future__ import annotations
 
-import hashlib
 import os
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -193,12 +191,6 @@ def format_summary(summary: dict[str, Any]) -> str:
 # ---------------------------------------------------------------------------------------------
 # prompt ids
 # ---------------------------------------------------------------------------------------------
-def prompt_hash(token_ids: Iterable[int]) -> str:
-    """The id of a prompt without a dataset index: ``h:`` + 12 hex digits of its token ids' SHA-1."""
-    digest = hashlib.sha1(",".join(str(int(t)) for t in token_ids).encode()).hexdigest()
-    return "h:" + digest[:12]
-
-
 def as_ids(values: Any) -> list[Any]:
     """A TransferQueue / TensorDict column (tensor, NonTensorStack, array, list) as plain ids."""
     if hasattr(values, "tolist"):
@@ -255,12 +247,8 @@ class SampleAccountingMixin:
     def _account_prompt_ids(self, keys: list[str], partition_id: str) -> list[Any]:
         import transfer_queue as tq
 
-        try:
-            data = tq.kv_batch_get(keys=keys, partition_id=partition_id, select_fields=["index"])
-            return as_ids(data["index"])
-        except Exception:  # no dataset index: name the prompt by its token ids
-            data = tq.kv_batch_get(keys=keys, partition_id=partition_id, select_fields=["prompts"])
-            return [prompt_hash(p.tolist()) for p in data["prompts"].unbind(0)]
+        data = tq.kv_batch_get(keys=keys, partition_id=partition_id, select_fields=["index"])
+        return as_ids(data["index"])
 
     def _account_step(self, step: int) -> None:
         """One ``trained`` row for the global step (and, on the last step, what is still in flight)."""
@@ -286,11 +274,7 @@ class SampleAccountingMixin:
 
     def _account_submitted(self, batch: Any) -> None:
         uids = [str(u) for u in as_ids(batch["uid"])]
-        if "index" in batch.keys():
-            ids = as_ids(batch["index"])
-        else:
-            rows = zip(batch["input_ids"], batch["attention_mask"], strict=True)
-            ids = [prompt_hash(p[m.bool()].tolist()) for p, m in rows]
+        ids = as_ids(batch["index"])
         step = int(getattr(self, "global_steps", 0))
         prompts = [list(p) for p in zip(uids, ids, strict=True)]
         self._account_write({"event": "submitted", "step": step, "prompts": prompts})

@@ -71,11 +71,6 @@ class AutoLagConfig:
         if self.min > self.max:
             raise ValueError(f"sat.auto_lag.min={self.min} must be <= sat.auto_lag.max={self.max}")
 
-    @classmethod
-    def from_node(cls, node: Any) -> AutoLagConfig:
-        """Build from ``sat.auto_lag`` (a mapping or None); an unknown key is an error naming it."""
-        return config_from_node(cls, node, "sat.auto_lag")
-
     @property
     def key(self) -> str:
         """The step metric the signal reads."""
@@ -190,7 +185,8 @@ class AutoLagTrainerMixin:
         if "_sat_auto_lag" not in self.__dict__:
             sat = self.config.get("sat") or {}  # type: ignore[attr-defined]
             auto = sat.get("lag") == AUTO
-            self._sat_auto_lag = AutoLag(AutoLagConfig.from_node(sat.get("auto_lag"))) if auto else None
+            config = config_from_node(AutoLagConfig, sat.get("auto_lag"), "sat.auto_lag")
+            self._sat_auto_lag = AutoLag(config) if auto else None
             self._sat_auto_signal: tuple[float | None, int | None] = (None, None)
         return self._sat_auto_lag
 

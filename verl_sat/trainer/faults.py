@@ -28,7 +28,6 @@ Guards:
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import shutil
@@ -36,7 +35,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from verl_sat.files import update_run_record
+from verl_sat.config_node import config_from_node
+from verl_sat.files import read_json, update_run_record
 
 TRACKER = "latest_checkpointed_iteration.txt"  # verl's get_checkpoint_tracker_filename (read_tracker)
 _STEP_DIR = re.compile(r"^global_step_(\d+)$")
@@ -75,13 +75,6 @@ class FaultConfig:
         factor = self.lr_spike_factor
         if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not factor > 0:
             raise ValueError(f"sat.faults.lr_spike_factor must be a number > 0, got {factor!r}")
-
-    @classmethod
-    def from_node(cls, node: Any) -> FaultConfig:
-        """From the ``sat.faults`` node (DictConfig, dict or None); unknown keys are an error."""
-        from verl_sat.config_node import config_from_node
-
-        return config_from_node(cls, node, "sat.faults")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -245,7 +238,7 @@ class FaultMixin:
 
     def _faults(self) -> FaultConfig:
         if "_sat_faults" not in self.__dict__:
-            self._sat_faults = FaultConfig.from_node((self.config.get("sat") or {}).get("faults"))  # type: ignore[attr-defined]
+            self._sat_faults = config_from_node(FaultConfig, (self.config.get("sat") or {}).get("faults"), "sat.faults")  # type: ignore[attr-defined]
         return self._sat_faults
 
     def _fault_before_update(self) -> None:
@@ -286,11 +279,7 @@ class FaultMixin:
 # the driver side: what the job's exit status says
 # ---------------------------------------------------------------------------------------------
 def read_sentinel_record(run_dir: Path) -> dict[str, Any] | None:
-    path = Path(run_dir) / SENTINEL_RECORD
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
+    return read_json(Path(run_dir) / SENTINEL_RECORD)
 
 
 def collapse_exit(record: dict[str, Any] | None) -> tuple[int, str | None]:

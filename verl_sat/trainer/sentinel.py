@@ -56,7 +56,8 @@ import math
 import os
 from collections import deque
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -145,11 +146,6 @@ class SentinelConfig:
         if self.warmup > self.window:
             raise ValueError(f"sat.sentinel.warmup must be <= sat.sentinel.window ({self.window}), got {self.warmup!r}")
 
-    @classmethod
-    def from_node(cls, node: Any) -> SentinelConfig:
-        """Build from the ``sat.sentinel`` node (DictConfig, dict or None); unknown keys are an error."""
-        return config_from_node(cls, node, "sat.sentinel")
-
 
 # ---------------------------------------------------------------------------------------------
 # robust statistics
@@ -191,12 +187,7 @@ class SentinelEvent:
     step: int
     onset_step: int
     action: str
-    reward: float
-    reward_band_low: float
-    mismatch_z: float  # the largest mismatch z over [onset - L, step]
-    aux_z: float  # the largest gradient-norm / |entropy| z over [onset - L, step]
     reasons: tuple[str, ...]
-    metrics: dict[str, float] = field(default_factory=dict)
 
     def describe(self) -> str:
         return f"collapse signature at step {self.step} (low reward since step {self.onset_step}): " + "; ".join(
@@ -274,7 +265,6 @@ class CollapseSentinel:
         event = self._maybe_alarm(step, reward, band)
         self.last_metrics = self._step_metrics(event is not None, band, mz, gz, ez)
         if event is not None:
-            event = replace(event, metrics=dict(self.last_metrics))
             self.events.append(event)
 
         # histories take the step's values after it is scored; a low reward does not, so the
@@ -315,10 +305,6 @@ class CollapseSentinel:
             step=step,
             onset_step=self._onset,
             action=cfg.action,
-            reward=reward,
-            reward_band_low=band,
-            mismatch_z=self._run_mz,
-            aux_z=self._run_az,
             reasons=tuple(reasons),
         )
 
@@ -374,7 +360,7 @@ class SentinelTrainerMixin:
         """The ``CollapseSentinel`` of ``sat.sentinel`` in the composed config; None when disabled."""
         if "_sat_sentinel" not in self.__dict__:
             sat = self.config.get("sat") or {}  # type: ignore[attr-defined]
-            config = SentinelConfig.from_node(sat.get("sentinel"))
+            config = config_from_node(SentinelConfig, sat.get("sentinel"), "sat.sentinel")
             self._sat_sentinel = CollapseSentinel(config) if config.enabled else None
             self._sat_rollbacks: list[tuple[int, int]] = []  # (onset - margin, step rolled back at)
             self._sat_rollback_pending: dict[str, Any] | None = None
@@ -431,15 +417,12 @@ class SentinelTrainerMixin:
         print(f"[verl-sat] sentinel: verdict: collapsed: {why}", flush=True)
 
     def _sentinel_write(self) -> None:
-        import json
+        from verl_sat.files import write_json
 
         run_dir = (self.config.get("sat") or {}).get("run_dir")  # type: ignore[attr-defined]
         if not run_dir:
             return
-        path = os.path.join(str(run_dir), "sentinel.json")
-        with open(path + ".tmp", "w") as f:
-            json.dump(self._sat_record, f, indent=1)
-        os.replace(path + ".tmp", path)
+        write_json(Path(str(run_dir)) / "sentinel.json", self._sat_record)
 
     def _sentinel_checkpoint_dir(self) -> str:
         """verl's ``trainer.default_local_dir``, made absolute as ``_load_checkpoint`` does."""

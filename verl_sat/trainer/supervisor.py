@@ -25,21 +25,17 @@ server actor is.
 
 from __future__ import annotations
 
-import _thread
-import json
-import os
 import re
-import signal
 import socket
 import sys
-import threading
 import time
 from pathlib import Path
 from typing import Any, TextIO
 
 import psutil
 
-from verl_sat.processes import PROCESSES_DIR
+from verl_sat.files import read_json
+from verl_sat.processes import PROCESSES_DIR, Watchdog
 
 EXIT_PROCESS_DIED = 4
 GRACE_S = 20.0
@@ -130,17 +126,17 @@ def in_flight(run_dir: Path) -> int:
     return len(handed - trained)
 
 
-class Supervisor(threading.Thread):
+class Supervisor(Watchdog):
     """Checks the watched processes of the job every ``interval`` seconds (module docstring)."""
+
+    exit_code = EXIT_PROCESS_DIED
+    grace_s = GRACE_S
 
     def __init__(
         self, run_dir: Path, total_steps: int | None = None, interval: float = 1.0, out: TextIO | None = None
     ) -> None:
-        super().__init__(daemon=True, name="verl-sat-supervisor")
-        self.run_dir, self.total_steps, self.interval, self.out = Path(run_dir), total_steps, interval, out
-        self.stopped = threading.Event()
-        self.lock = threading.Lock()  # no interrupt of the driver once __exit__ has stopped the checks
-        self.failure: dict[str, Any] | None = None
+        super().__init__("verl-sat-supervisor", interval, out)
+        self.run_dir, self.total_steps = Path(run_dir), total_steps
         self.started_at = time.time()
         self.engine_processes: dict[int, dict[str, Any]] = {}  # pid -> the process under a rollout server
 
@@ -148,11 +144,8 @@ class Supervisor(threading.Thread):
         folder = self.run_dir / PROCESSES_DIR
         entries = []
         for path in sorted(folder.glob("*.json")) if folder.is_dir() else []:
-            try:
-                entry = json.loads(path.read_text())
-            except (OSError, ValueError):
-                continue
-            if entry.get("since", 0) >= self.started_at - 1:
+            entry = read_json(path)
+            if entry is not None and entry.get("since", 0) >= self.started_at - 1:
                 entries.append(entry)
         return entries
 
@@ -211,53 +204,10 @@ class Supervisor(threading.Thread):
         except OSError:
             pass
 
-    def run(self) -> None:
-        while not self.stopped.wait(self.interval):
-            failure = self.check()
-            if failure is None:
-                continue
-            with self.lock:
-                if self.stopped.is_set():  # the driver is already leaving: __exit__ reports it (exit 4)
-                    return
-                self.report(failure)
-                _thread.interrupt_main()
-            if not self.stopped.wait(GRACE_S):
-                os._exit(EXIT_PROCESS_DIED)
-            return
-
-    def stop(self) -> None:
-        self.stopped.set()
-
-    def __enter__(self) -> Supervisor:
-        # _thread.interrupt_main() does nothing while SIGINT is ignored, which is how a job started
-        # with `&` by a non-interactive shell (an sbatch script, nohup ... &) inherits it: the driver
-        # would then skip Ray's shutdown and end only by the forced exit. SIGINT raises here instead.
-        self._sigint = None
-        if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
-            self._sigint = signal.signal(signal.SIGINT, signal.default_int_handler)
-        self.start()
-        return self
-
-    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> bool:
+    def on_driver_error(self, exc_type: Any) -> None:
         """The driver often learns of a dead worker first (Ray's ``ActorDiedError`` from the call
         in flight), before the next once-a-second check: an exception is checked against the
         watched processes once more, so the job still exits ``EXIT_PROCESS_DIED``."""
-        try:
-            with self.lock:
-                self.stop()
-            if self.is_alive():
-                self.join()
-        except KeyboardInterrupt:  # the check's interrupt, issued just before the driver got here
-            if self.failure is None:
-                raise
-            self.stop()
-            self.join()
-        if self._sigint is not None:
-            signal.signal(signal.SIGINT, self._sigint)
-        if self.failure is None and exc_type is not None and not issubclass(exc_type, KeyboardInterrupt):
-            failure = self.check()
-            if failure is not None:
-                self.report(failure)
-        if self.failure is not None:
-            raise SystemExit(EXIT_PROCESS_DIED) from exc
-        return False
+        failure = self.check()
+        if failure is not None:
+            self.report(failure)
