@@ -108,11 +108,18 @@ def test_every_checked_field_refuses_a_wrong_value_naming_its_dotted_key():
     value; the declared default passes its own check."""
     import dataclasses
 
+    from verl_sat.default.heldout import HeldoutConfig
     from verl_sat.trainer.auto_lag import AutoLagConfig
     from verl_sat.trainer.recipe import SATRecipeConfig
     from verl_sat.trainer.sentinel import SentinelConfig
 
-    sections = {"sat": SATRecipeConfig, "sat.sentinel": SentinelConfig, "sat.auto_lag": AutoLagConfig}
+    sections = {
+        "sat": SATRecipeConfig,
+        "sat.sentinel": SentinelConfig,
+        "sat.auto_lag": AutoLagConfig,
+        "sat.heldout": HeldoutConfig,
+        "actor_rollout_ref.actor.policy_loss": SATPolicyLossConfig,
+    }
     checked = 0
     for prefix, cls in sections.items():
         for field in dataclasses.fields(cls):
@@ -122,4 +129,4 @@ def test_every_checked_field_refuses_a_wrong_value_naming_its_dotted_key():
             with pytest.raises(ValueError, match=rf"^{prefix}\.{field.name} must be .*, got <object object"):
                 cls(**{field.name: object()})
             checked += 1
-    assert checked >= 25  # every section declares its values' checks
+    assert checked >= 35  # every section declares its values' checks

@@ -36,11 +36,11 @@ def test_optimizer_steps_count_as_the_loop_counts_them():
 
 
 def test_the_config_refuses_what_it_cannot_honour_naming_the_key():
-    with pytest.raises(ValueError, match=r"sat\.heldout\.problems"):
+    with pytest.raises(ValueError, match=r"sat\.heldout\.problems must be an integer in \[0, 5000\], got -1"):
         HeldoutConfig(problems=-1)
-    with pytest.raises(ValueError, match=r"sat\.heldout\.samples"):
+    with pytest.raises(ValueError, match=r"sat\.heldout\.samples must be an integer >= 1, got 0"):
         HeldoutConfig(problems=8, samples=0)
-    with pytest.raises(ValueError, match=r"sat\.heldout\.at"):
+    with pytest.raises(ValueError, match=r"sat\.heldout\.at must list optimizer steps >= 0, got \[-3\]"):
         HeldoutConfig(problems=8, at=[-3])
     with pytest.raises(ValueError, match=r"unknown key\(s\) under sat\.heldout: sat\.heldout\.every"):
         SATRecipeConfig.from_node({"heldout": {"every": 10}})

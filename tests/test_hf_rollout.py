@@ -190,9 +190,9 @@ def test_server_batches_concurrent_requests_and_tags_version(ray_cluster, model_
     server = (
         ray_cluster.remote(HFRolloutServer)
         .options(max_concurrency=64)
-        .remote(_rollout_config(engine_kwargs={"hf": {"batch_wait_ms": 50}}), model_config, None, 0)
+        .remote(_rollout_config(engine_kwargs={"hf": {"batch_wait_ms": 50}}), model_config, 0)
     )
-    ray_cluster.get(server.set_global_steps.remote(7))
+    ray_cluster.get(server.update_weights.remote({}, 7))
     prompts = _prompts(model_dir, 4)
     refs = [server.generate.remote(p, {"temperature": 1.0, "logprobs": True}, f"r{i}") for i, p in enumerate(prompts)]
     outputs = ray_cluster.get(refs)
@@ -221,9 +221,9 @@ def test_server_abort_resume_and_weight_version(ray_cluster, model_dir: Path) ->
     server = (
         ray_cluster.remote(HFRolloutServer)
         .options(max_concurrency=64)
-        .remote(_rollout_config(response_length=400, prompt_length=128, max_model_len=2048), model_config, None, 0)
+        .remote(_rollout_config(response_length=400, prompt_length=128, max_model_len=2048), model_config, 0)
     )
-    ray_cluster.get(server.set_global_steps.remote(1))
+    ray_cluster.get(server.update_weights.remote({}, 1))
     # never stop at EOS, so the request is still running when we abort
     ray_cluster.get(server.__ray_call__.remote(lambda self: setattr(self.engine, "eos_token_ids", set())))
     prompt = _prompts(model_dir, 1)[0]

@@ -14,26 +14,38 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 import torch
 
+import verl_sat.cpu as cpu
 from verl_sat.cpu import megatron
 
 HERE = Path(__file__).resolve().parent
 
 
+def registered_hooks(monkeypatch) -> dict:
+    """The post-import hooks :func:`megatron.install` registers, by module name (none is registered)."""
+    hooks: dict = {}
+    monkeypatch.setattr(megatron, "when_imported", lambda name, hook: hooks.setdefault(name, hook))
+    megatron.install()
+    return hooks
+
+
 def test_a_version_the_patches_were_not_written_for_is_refused_naming_both(monkeypatch):
-    monkeypatch.setattr(megatron.importlib.metadata, "version", lambda name: "0.17.0")
-    with pytest.raises(megatron.VersionMismatch, match=r"megatron-core==0\.16\.1, found megatron-core 0\.17\.0"):
-        megatron.check_version("megatron-core")
-    with pytest.raises(megatron.VersionMismatch, match=r"mbridge==0\.15\.1, found mbridge 0\.17\.0"):
-        megatron.check_version("mbridge")
+    hooks = registered_hooks(monkeypatch)
+    monkeypatch.setattr(cpu.importlib.metadata, "version", lambda name: "0.17.0")
+    with pytest.raises(cpu.VersionMismatch, match=r"megatron-core==0\.16\.1, found megatron-core 0\.17\.0"):
+        hooks["megatron.core.utils"](ModuleType("megatron.core.utils"))
+    with pytest.raises(cpu.VersionMismatch, match=r"mbridge==0\.15\.1, found mbridge 0\.17\.0; .*megatron-cpu"):
+        hooks["mbridge.core.bridge"](ModuleType("mbridge.core.bridge"))  # refused before the patch runs
 
 
-def test_installed_versions_are_the_supported_ones():
-    for distribution in megatron.SUPPORTED:
-        megatron.check_version(distribution)  # the megatron-cpu extra installs exactly these
+def test_installed_versions_are_the_supported_ones(monkeypatch):
+    hooks = registered_hooks(monkeypatch)
+    for name in ("megatron.core", "mbridge"):
+        hooks[name](ModuleType(name))  # the megatron-cpu extra installs exactly megatron.SUPPORTED
 
 
 def test_local_spec_names_map_onto_mbridges_te_tables():

@@ -31,15 +31,47 @@ from sat_strategies import (
     stale_tokens,
 )
 
-from verl_sat.sat.rule import (
-    adaptive_bounds,
-    kernel_psi,
-    masked_quantile,
-    quantile_rank,
-    sat_factors,
-)
+from verl_sat.sat.rule import SATFactors, gated_bounds, kernel_psi, quantile_rank, sat_factors
 
 DTYPES = (torch.float32, torch.float64, torch.bfloat16)
+
+
+def micro_batch_q(x: torch.Tensor, mask: torch.Tensor, alpha: float) -> torch.Tensor:
+    """q over one micro-batch's active values as the losses take it (``sat_quantile_scope=micro_batch``)."""
+    return sat_factors(x, mask, alpha, "hill", 2.0).q
+
+
+def dense(f: SATFactors, side: torch.Tensor) -> torch.Tensor:
+    """``f.c`` at the gated tokens ``side`` selects (a mask over them), 1 elsewhere, in the score's shape."""
+    out = torch.ones(f.shape, dtype=f.c.dtype, device=f.c.device).reshape(-1)
+    out[f.idx[side]] = f.c[side]
+    return out.view(f.shape)
+
+
+def c_plus(f: SATFactors) -> torch.Tensor:
+    """c_plus = psi(u_plus; q) where gated (d > 0), 1 elsewhere (psi(0) = 1 for d < 0)."""
+    return dense(f, f.positive)
+
+
+def c_minus(f: SATFactors) -> torch.Tensor:
+    """c_minus = psi(u_minus; q) where gated (d < 0), 1 elsewhere."""
+    return dense(f, ~f.positive)
+
+
+def adaptive_bounds(
+    f: SATFactors, eps_low: float, eps_high: float, like: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The clip interval [1 - eps_low~, 1 + eps_high~] for every token (dense view of step 6).
+
+    Ungated tokens get the base endpoints, computed as verl computes them (a Python scalar
+    cast to the tensor's dtype), so their interval is bit-identical to PPO's.
+    """
+    lower_g, upper_g = gated_bounds(f, eps_low, eps_high)
+    lower = torch.full(like.shape, 1.0 - eps_low, dtype=like.dtype, device=like.device).reshape(-1)
+    upper = torch.full(like.shape, 1.0 + eps_high, dtype=like.dtype, device=like.device).reshape(-1)
+    lower[f.idx] = lower_g.to(like.dtype)
+    upper[f.idx] = upper_g.to(like.dtype)
+    return lower.view(like.shape), upper.view(like.shape)
 
 
 @st.composite
@@ -52,10 +84,11 @@ def masked_values(draw):
 
 
 def test_quantile_matches_inverse_cdf_definition():
-    """``masked_quantile`` is the inverse-CDF alpha-quantile of the active values, by definition
-    (``sat_strategies.inverse_cdf``: the smallest v with #{x <= v} / n >= alpha, alpha as written), in
-    the input's dtype, padding ignored. Bites where alpha n is whole: the CDF meets alpha exactly at
-    the k-th value, where a float product or a tolerance would pick a neighbour."""
+    """A micro-batch's ``q`` (``sat_factors``, selected by ``top_m``) is the inverse-CDF alpha-quantile
+    of the active values, by definition (``sat_strategies.inverse_cdf``: the smallest v with
+    #{x <= v} / n >= alpha, alpha as written), in the input's dtype, padding ignored. Bites where
+    alpha n is whole: the CDF meets alpha exactly at the k-th value, where a float product or a
+    tolerance would pick a neighbour."""
     step = []
 
     @PROPERTY
@@ -65,7 +98,7 @@ def test_quantile_matches_inverse_cdf_definition():
         x = torch.tensor(values + [123.0] * pad, dtype=dtype)  # padded positions must not count
         mask = torch.tensor([True] * len(values) + [False] * pad)
         active = [float(v) for v in x[mask].tolist()]  # values as representable in dtype
-        q = masked_quantile(x, mask, alpha)
+        q = micro_batch_q(x, mask, alpha)
         assert q.dtype == dtype
         assert float(q) == inverse_cdf(active, alpha)
         step.append(on_cdf_step(alpha, len(values)))
@@ -93,11 +126,11 @@ def test_quantile_beyond_torch_quantile_limit():
     with pytest.raises(RuntimeError):
         torch.quantile(x, 0.9)
     k = alpha_rank(0.9, n)
-    assert masked_quantile(x, mask, 0.9).item() == k - 1  # values 0..n-1: the k-th smallest is k - 1
+    assert micro_batch_q(x, mask, 0.9).item() == k - 1  # values 0..n-1: the k-th smallest is k - 1
 
 
 def test_quantile_of_empty_mask_is_zero():
-    q = masked_quantile(torch.randn(3, 4), torch.zeros(3, 4, dtype=torch.bool), 0.9)
+    q = micro_batch_q(torch.randn(3, 4), torch.zeros(3, 4, dtype=torch.bool), 0.9)
     assert q.item() == 0.0
 
 
@@ -131,8 +164,8 @@ def test_hand_computed_example():
     assert f.q.item() == 0.8
     assert f.gate.tolist() == [False] * 9 + [True]  # only |d| = 0.9 > q
     # d = -0.9 < 0: the lower radius contracts, c_minus = 1 / (1 + (0.9/0.8)^2) = 64/145
-    assert f.c_minus[-1].item() == pytest.approx(64 / 145, rel=1e-12)
-    assert f.c_plus[-1].item() == 1.0
+    assert c_minus(f)[-1].item() == pytest.approx(64 / 145, rel=1e-12)
+    assert c_plus(f)[-1].item() == 1.0
     lower, upper = adaptive_bounds(f, 0.2, 0.2, like=d)
     assert lower[-1].item() == pytest.approx(1 - 0.2 * 64 / 145, rel=1e-12)
     assert upper[-1].item() == 1.2
@@ -144,7 +177,7 @@ def test_q_zero_gates_nothing():
     f = sat_factors(d, torch.ones(10, dtype=torch.bool), 0.9, "hill", 2.0)
     assert f.q.item() == 0.0
     assert not f.gate.any()
-    assert torch.all(f.c_plus == 1) and torch.all(f.c_minus == 1)
+    assert torch.all(c_plus(f) == 1) and torch.all(c_minus(f) == 1)
 
 
 @pytest.mark.parametrize("level", LEVELS)
@@ -181,18 +214,18 @@ def test_containment_sign_selection_and_gate_rate(level):
         # strictly inward wherever the dtype can represent the move: a contraction eps (1 - c)
         # below half the spacing of the dtype near 1 rounds back onto the base endpoint (bf16: 2^-8)
         ulp = torch.finfo(dtype).eps
-        c_plus, c_minus = torch.from_numpy(spec.c_plus), torch.from_numpy(spec.c_minus)
-        visible_up = pos & (case.eps_high * (1 - c_plus) > ulp)
-        visible_down = neg & (case.eps_low * (1 - c_minus) > ulp / 2)
+        spec_plus, spec_minus = torch.from_numpy(spec.c_plus), torch.from_numpy(spec.c_minus)
+        visible_up = pos & (case.eps_high * (1 - spec_plus) > ulp)
+        visible_down = neg & (case.eps_low * (1 - spec_minus) > ulp / 2)
         assert torch.all(upper[visible_up] < base_upper) and torch.all(lower[visible_down] > base_lower)
         # the values are the spec's (the kernel in >= fp32, the endpoints rounded to the dtype)
         tol = max(2 * ulp, 1e-6)
-        torch.testing.assert_close(f.c_plus.double(), c_plus, rtol=1e-6, atol=1e-6)
-        torch.testing.assert_close(f.c_minus.double(), c_minus, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(c_plus(f).double(), spec_plus, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(c_minus(f).double(), spec_minus, rtol=1e-6, atol=1e-6)
         torch.testing.assert_close(lower.double()[mask], torch.from_numpy(spec.lower)[mask], rtol=0, atol=tol)
         torch.testing.assert_close(upper.double()[mask], torch.from_numpy(spec.upper)[mask], rtol=0, atol=tol)
         # a gated token's factor on its side is psi(|d| > q) < psi(q) = 1/2
-        assert torch.all(f.c_plus[pos] < 0.5) and torch.all(f.c_minus[neg] < 0.5)
+        assert torch.all(c_plus(f)[pos] < 0.5) and torch.all(c_minus(f)[neg] < 0.5)
         flags.append(spec.bites)
         overfull.append(stale_tokens(case) > gate_capacity(n, case.alpha))
 
@@ -224,7 +257,7 @@ def test_bf16_rounding_found_by_ci(d, alpha, eps_low, eps_high, p):
     f = sat_factors(x, torch.ones_like(x, dtype=torch.bool), alpha, "hill", p)
     lower, upper = adaptive_bounds(f, eps_low, eps_high, like=x)
     assert f.gate.tolist() == [False, False, False, True]
-    assert f.c_plus[-1].item() < 0.5
+    assert c_plus(f)[-1].item() < 0.5
     assert upper[-1] <= torch.tensor(1.0 + eps_high, dtype=torch.bfloat16)
     assert lower[-1] == torch.tensor(1.0 - eps_low, dtype=torch.bfloat16)
 
@@ -238,7 +271,7 @@ def test_score_is_detached_and_factors_carry_no_grad():
     def check(case: SATCase) -> None:
         x = spec_score(case).to(case.dtype).requires_grad_(True)
         f = sat_factors(x * 1.0, case.mask, case.alpha, case.kernel, case.exponent)
-        assert not any(t.requires_grad for t in (f.q, f.c, f.c_plus, f.c_minus))
+        assert not any(t.requires_grad for t in (f.q, f.c, c_plus(f), c_minus(f)))
         assert math.isfinite(f.q.item())
         flags.append(spec_rule(case).bites)
 

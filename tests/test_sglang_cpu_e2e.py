@@ -26,7 +26,7 @@ REPO = Path(__file__).resolve().parents[1]
 pytestmark = [
     pytest.mark.extended,  # tests/README.md: left out of the default run (SGLang installed beside the test extra)
     pytest.mark.skipif(
-        cpu_sglang.sglang_version() != cpu_sglang.WRITTEN_FOR,
+        cpu_sglang.installed_version("sglang") != cpu_sglang.WRITTEN_FOR,
         reason=f"needs sglang=={cpu_sglang.WRITTEN_FOR}: bash recipes/cpu/install_sglang_cpu.sh",
     ),
 ]

@@ -15,10 +15,12 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 import torch
 
+import verl_sat.cpu as cpu
 from verl_sat.cpu import sglang as cpu_sglang
 
 TESTS = Path(__file__).resolve().parent
@@ -39,10 +41,20 @@ def test_server_args_fill_what_the_user_left_unset_and_keep_what_they_passed() -
         cpu_sglang.fill_server_args({"sglang": "x"})
 
 
-def test_an_sglang_of_another_release_is_refused_naming_both_versions() -> None:
-    cpu_sglang.check_version(cpu_sglang.WRITTEN_FOR)
-    with pytest.raises(cpu_sglang.VersionMismatch, match=r"sglang==0\.5\.12, found sglang 0\.5\.23"):
-        cpu_sglang.check_version("0.5.23")
+def test_an_sglang_of_another_release_is_refused_naming_both_versions(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each of the post-import hooks :func:`cpu_sglang.install` registers checks the version first."""
+    hooks: dict = {}
+    monkeypatch.setattr(cpu_sglang, "when_imported", lambda name, hook: hooks.setdefault(name, hook))
+    monkeypatch.setattr(cpu_sglang, "installed_version", lambda name: "0.5.23")
+    monkeypatch.setattr(cpu_sglang, "prepare_process", lambda: None)
+    cpu_sglang.install()
+    assert set(hooks) == set(cpu_sglang.PATCHES)
+    monkeypatch.setattr(cpu.importlib.metadata, "version", lambda name: cpu_sglang.WRITTEN_FOR)
+    hooks["sglang"](ModuleType("sglang"))
+    monkeypatch.setattr(cpu.importlib.metadata, "version", lambda name: "0.5.23")
+    for name, hook in hooks.items():
+        with pytest.raises(cpu.VersionMismatch, match=r"sglang==0\.5\.12, found sglang 0\.5\.23; .*install_sglang_cpu"):
+            hook(ModuleType(name))
 
 
 def test_a_cpu_torch_refuses_pinned_memory_and_the_unpinned_module_torch_allocates() -> None:
@@ -106,7 +118,7 @@ def test_torchvision_schemas_are_left_alone_without_torchvision_or_on_a_gpu_torc
         raise AssertionError("called on a GPU node")
 
     monkeypatch.setattr(torch.version, "cuda", "12.8")
-    monkeypatch.setattr(cpu_sglang, "sglang_version", lambda: cpu_sglang.WRITTEN_FOR)
+    monkeypatch.setattr(cpu_sglang, "installed_version", lambda name: cpu_sglang.WRITTEN_FOR)
     monkeypatch.setattr(cpu_sglang, "register_torchvision_schemas", refuse)
     monkeypatch.setattr(cpu_sglang, "install_kernel_stand_in", refuse)
     monkeypatch.delenv("VERL_PLATFORM", raising=False)
@@ -138,12 +150,12 @@ def installed():
     ]
 
 
-print(cpu_sglang.sglang_version(), "gpu", installed())
+print(cpu_sglang.installed_version("sglang"), "gpu", installed())
 os.environ["VERL_PLATFORM"] = "cpu"  # then what a CPU process's plugin does
 import verl_sat.cpu
 
 verl_sat.cpu.register()
-print(cpu_sglang.sglang_version(), "cpu", installed())
+print(cpu_sglang.installed_version("sglang"), "cpu", installed())
 """
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from verl_sat.default import data as task
@@ -63,7 +65,7 @@ def test_warmup_without_target_runs_every_step(monkeypatch):
     ],
 )
 def test_bad_warmup_settings_name_the_field(field, value):
-    with pytest.raises(ValueError, match=f"WarmupArgs.{field}"):
+    with pytest.raises(ValueError, match=rf"^WarmupArgs\.{field} must be .*, got {re.escape(repr(value))}$"):
         warmup.WarmupArgs(**{field: value})
 
 

@@ -19,7 +19,8 @@ from typing import Any
 import ray
 import torch
 from verl.checkpoint_engine.base import CheckpointEngine, CheckpointEngineRegistry
-from verl.workers.rollout.utils import ensure_async_iterator
+
+from verl_sat.rollout.weights import host_copies
 
 BACKEND = "ray_object_store"
 BROKER_NAME = "verl_sat_weight_broker"
@@ -81,9 +82,7 @@ class RayObjectStoreCheckpointEngine(CheckpointEngine):
 
     async def send_weights(self, weights: Any, global_steps: int | None = None) -> dict:
         """Drain the stream on every rank (FSDP gathers are collective); rank 0 publishes it."""
-        named: dict[str, torch.Tensor] = {}
-        async for name, tensor in ensure_async_iterator(weights):
-            named[name] = tensor.detach().to("cpu").clone()
+        named = await host_copies(weights)
         if self.is_master:
             ref = ray.put(named)
             await _broker().publish.remote(global_steps, [ref])

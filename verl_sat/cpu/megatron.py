@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import importlib.metadata
 import re
 from collections.abc import Callable, Iterator
 from types import ModuleType
@@ -29,6 +28,7 @@ from typing import Any
 
 import torch
 
+from verl_sat.cpu import ScopedTorch, checked, scope
 from verl_sat.cpu.platform import CPUDeviceModule
 from verl_sat.hooks import when_imported, wrap_once
 
@@ -52,25 +52,6 @@ TRANSFORMER_OVERRIDES: dict[str, Any] = {
     "moe_router_fusion": False,  # TE's fused top-k
     "moe_token_dispatcher_type": "alltoall",  # the one dispatcher that takes variable sequence lengths
 }
-
-
-class VersionMismatch(RuntimeError):
-    """An installed megatron-core / mbridge that these patches were not written for."""
-
-
-def check_version(distribution: str) -> None:
-    """Refuse a ``distribution`` version other than :data:`SUPPORTED`'s, naming both."""
-    wanted = SUPPORTED[distribution]
-    try:
-        found = importlib.metadata.version(distribution)
-    except importlib.metadata.PackageNotFoundError:
-        found = "not installed"
-    if found != wanted:
-        raise VersionMismatch(
-            f"verl-sat's CPU patches for verl's Megatron engine (verl_sat.cpu.megatron) were written for "
-            f"{distribution}=={wanted}, found {distribution} {found}; install the tested set with "
-            f'pip install -e ".[megatron-cpu]" (or run on a GPU node, where no patch is installed)'
-        )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -181,36 +162,21 @@ _FACTORIES = (
 )
 
 
-def _on_cpu(factory: Callable[..., Any]) -> Callable[..., Any]:
-    @functools.wraps(factory)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        if "device" in kwargs:
-            kwargs["device"] = to_cpu_device(kwargs["device"])
-        return factory(*args, **kwargs)
-
-    return wrapper
+def _on_cpu(kwargs: dict[str, Any]) -> None:
+    if "device" in kwargs:
+        kwargs["device"] = to_cpu_device(kwargs["device"])
 
 
-class _CPUTorch(ModuleType):
-    """``torch`` for one megatron module: everything forwarded, except ``cuda`` and factory devices."""
-
-    def __init__(self) -> None:
-        super().__init__("torch")
-        self.cuda = _CPUCuda()
-        for name in _FACTORIES:
-            setattr(self, name, _on_cpu(getattr(torch, name)))
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(torch, name)
-
-    @staticmethod
-    def device(*args: Any, **kwargs: Any) -> torch.device:
-        if args and isinstance(args[0], str) and args[0].startswith("cuda"):
-            return torch.device("cpu")
-        return torch.device(*args, **kwargs)
+def _cpu_device(*args: Any, **kwargs: Any) -> torch.device:
+    if args and isinstance(args[0], str) and args[0].startswith("cuda"):
+        return torch.device("cpu")
+    return torch.device(*args, **kwargs)
 
 
-CPU_TORCH = _CPUTorch()
+# ``torch`` for one megatron module: everything forwarded, except ``cuda`` and factory devices.
+CPU_TORCH = ScopedTorch(_FACTORIES, _on_cpu)
+CPU_TORCH.cuda = _CPUCuda()
+CPU_TORCH.device = _cpu_device
 
 # Modules whose global ``torch`` becomes CPU_TORCH, each with the CUDA call that needs it.
 TORCH_SCOPED: dict[str, str] = {
@@ -237,10 +203,8 @@ TORCH_SCOPED: dict[str, str] = {
 }
 
 
-def scope_torch(module: ModuleType) -> None:
-    """Point ``module``'s global ``torch`` at :data:`CPU_TORCH` (that module only)."""
-    if getattr(module, "torch", None) is torch:
-        module.torch = CPU_TORCH
+# Point a module's global ``torch`` at CPU_TORCH (that module only).
+scope_torch = functools.partial(scope, stand_in=CPU_TORCH)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -471,22 +435,14 @@ PATCHES: dict[str, Callable[[ModuleType], None]] = {
 }
 
 
-def checked(patch: Callable[[ModuleType], None]) -> Callable[[ModuleType], None]:
-    """``patch``, after the version check of the distribution its module belongs to."""
-
-    def hook(module: ModuleType) -> None:
-        check_version("mbridge" if module.__name__.startswith("mbridge") else "megatron-core")
-        patch(module)
-
-    return hook
+INSTALL = 'pip install -e ".[megatron-cpu]"'  # the tested set of :data:`SUPPORTED`
 
 
 def install() -> None:
-    """Register every patch as a post-import hook (CPU platform only; see the module doc)."""
-    when_imported("megatron.core", checked(lambda module: None))
-    when_imported("mbridge", checked(lambda module: None))
-    for name in TORCH_SCOPED:
-        if name not in PATCHES:
-            when_imported(name, checked(scope_torch))
-    for name, patch in PATCHES.items():
-        when_imported(name, checked(patch))
+    """Register every patch as a post-import hook (CPU platform only; see the module doc), each after
+    the version check of the distribution its module belongs to."""
+    hooks = {"megatron.core": lambda module: None, "mbridge": lambda module: None}
+    hooks |= {name: scope_torch for name in TORCH_SCOPED} | PATCHES
+    for name, patch in hooks.items():
+        distribution = "mbridge" if name.startswith("mbridge") else "megatron-core"
+        when_imported(name, checked(patch, distribution, SUPPORTED[distribution], __name__, INSTALL))

@@ -34,7 +34,6 @@ import functools
 import glob
 import importlib.abc
 import importlib.machinery
-import importlib.metadata
 import importlib.util
 import os
 import sys
@@ -44,9 +43,11 @@ from typing import Any
 
 import torch
 
+from verl_sat.cpu import ScopedTorch, checked, installed_version, scope
 from verl_sat.hooks import when_imported, wrap_once
 
 WRITTEN_FOR = "0.5.12"
+INSTALL = "bash recipes/cpu/install_sglang_cpu.sh"  # how to install :data:`WRITTEN_FOR` on a CPU torch
 MARKER = "_verl_sat_sglang_cpu"  # set on each function a patch wraps, so that it is wrapped once
 SERVER_MODULE = "verl.workers.rollout.sglang_rollout.async_sglang_server"
 ADAPTER_MODULE = "verl.workers.rollout.sglang_rollout.sglang_rollout"
@@ -90,28 +91,6 @@ UNPINNED: dict[str, str] = {
 }
 
 _TORCHVISION_LIBRARY: list[Any] = []  # keeps the torch.library.Library holding the schemas alive
-
-
-class VersionMismatch(RuntimeError):
-    """An installed SGLang that these patches were not written for."""
-
-
-def sglang_version() -> str | None:
-    """The installed ``sglang`` distribution's version, None without it."""
-    try:
-        return importlib.metadata.version("sglang")
-    except importlib.metadata.PackageNotFoundError:
-        return None
-
-
-def check_version(found: str | None) -> None:
-    """Refuse an SGLang other than :data:`WRITTEN_FOR`, naming both."""
-    if found != WRITTEN_FOR:
-        raise VersionMismatch(
-            f"verl-sat's CPU patches for SGLang (verl_sat.cpu.sglang) were written for sglang=={WRITTEN_FOR}, "
-            f"found sglang {found}; install it with bash recipes/cpu/install_sglang_cpu.sh (or run on a GPU node, "
-            f"where no patch is installed)"
-        )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -240,36 +219,15 @@ def install_kernel_stand_in() -> None:
 # ---------------------------------------------------------------------------------------------
 # pinned host memory
 # ---------------------------------------------------------------------------------------------
-def _unpinned(factory: Callable[..., Any]) -> Callable[..., Any]:
-    @functools.wraps(factory)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        kwargs.pop("pin_memory", None)
-        return factory(*args, **kwargs)
-
-    return wrapper
+def _unpinned(kwargs: dict[str, Any]) -> None:
+    kwargs.pop("pin_memory", None)
 
 
-class _UnpinnedTorch(ModuleType):
-    """``torch`` for one SGLang module: everything forwarded, the tensor factories without ``pin_memory``."""
+# ``torch`` for one SGLang module: everything forwarded, the tensor factories without ``pin_memory``.
+UNPINNED_TORCH = ScopedTorch(("tensor", "as_tensor", "zeros", "ones", "empty", "full", "arange"), _unpinned)
 
-    FACTORIES = ("tensor", "as_tensor", "zeros", "ones", "empty", "full", "arange")
-
-    def __init__(self) -> None:
-        super().__init__("torch")
-        for name in self.FACTORIES:
-            setattr(self, name, _unpinned(getattr(torch, name)))
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(torch, name)
-
-
-UNPINNED_TORCH = _UnpinnedTorch()
-
-
-def unpin(module: ModuleType) -> None:
-    """Point ``module``'s global ``torch`` at :data:`UNPINNED_TORCH` (that module only)."""
-    if getattr(module, "torch", None) is torch:
-        module.torch = UNPINNED_TORCH
+# Point a module's global ``torch`` at UNPINNED_TORCH (that module only).
+unpin = functools.partial(scope, stand_in=UNPINNED_TORCH)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -345,16 +303,6 @@ def reduce_host_tensors_unchanged(module: ModuleType) -> None:
 
 
 # ---------------------------------------------------------------------------------------------
-def checked(patch: Callable[[ModuleType], None]) -> Callable[[ModuleType], None]:
-    """``patch``, after the SGLang version check."""
-
-    def hook(module: ModuleType) -> None:
-        check_version(sglang_version())
-        patch(module)
-
-    return hook
-
-
 PATCHES: dict[str, Callable[[ModuleType], None]] = {
     "sglang": lambda module: None,  # the version check, before anything of SGLang's runs
     "sglang.srt.entrypoints.engine": patch_engine,
@@ -377,7 +325,7 @@ def prepare_process() -> None:
     calls it before anything imports transformers (which imports torchvision); it imports nothing of verl's."""
     from verl_sat.cpu.platform import is_selected
 
-    if sglang_version() != WRITTEN_FOR:
+    if installed_version("sglang") != WRITTEN_FOR:
         return
     if cpu_torch():
         register_torchvision_schemas()
@@ -392,8 +340,8 @@ def install() -> None:
     """CPU platform only (:func:`verl_sat.cpu.register`): with an ``sglang`` installed,
     :func:`prepare_process` and a post-import hook for each of :data:`PATCHES` (whose version check
     stops ``import sglang`` for any other release)."""
-    if sglang_version() is None:
+    if installed_version("sglang") is None:
         return
     prepare_process()
     for name, patch in PATCHES.items():
-        when_imported(name, checked(patch))
+        when_imported(name, checked(patch, "sglang", WRITTEN_FOR, __name__, INSTALL))

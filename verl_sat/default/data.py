@@ -85,26 +85,23 @@ def to_row(problem: Problem, split: str, index: int) -> dict:
 
 
 def sample_problems(
-    n: int, seed: int, excluded: frozenset[tuple[int, int]] | set[tuple[int, int]] = frozenset()
+    n: int, seed: int, excluded: frozenset[tuple[int, int]] | set[tuple[int, int]] = frozenset(), distinct: bool = False
 ) -> list[Problem]:
-    """``n`` problems from a seeded generator, skipping every ``(a, b)`` in ``excluded``."""
-    rng, out = random.Random(seed), []
+    """``n`` problems from a seeded generator, skipping every ``(a, b)`` in ``excluded`` (and, if
+    ``distinct``, every one already drawn)."""
+    rng, out, skipped = random.Random(seed), [], set(excluded)
     while len(out) < n:
         problem = sample_problem(rng)
-        if (problem.a, problem.b) not in excluded:
+        if (problem.a, problem.b) not in skipped:
+            if distinct:
+                skipped.add((problem.a, problem.b))
             out.append(problem)
     return out
 
 
 def heldout_problems(n: int, seed: int = HELDOUT_SEED) -> list[Problem]:
     """``n`` distinct sums from a seeded generator: the fixed held-out set (never trained on)."""
-    rng, seen, out = random.Random(seed), set(), []
-    while len(out) < n:
-        problem = sample_problem(rng)
-        if (problem.a, problem.b) not in seen:
-            seen.add((problem.a, problem.b))
-            out.append(problem)
-    return out
+    return sample_problems(n, seed, distinct=True)
 
 
 def write_parquet(

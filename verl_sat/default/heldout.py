@@ -18,6 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from verl_sat.config_node import check_fields, checked, integer
 from verl_sat.default import data as task
 from verl_sat.default.data import heldout_problems  # noqa: F401  (sat.heldout's problems: one definition)
 
@@ -39,22 +40,17 @@ class HeldoutConfig:
         seed: the held-out set's and its sampling's seed (the study's: 20261201).
     """
 
-    problems: int = 0
-    samples: int = 2
+    problems: int = checked(0, lambda value: type(value) is int and 0 <= value <= 5000, "an integer in [0, 5000]")
+    samples: int = integer(2, low=1)
     at: list[int] = field(default_factory=list)
-    seed: int = DEFAULT_SEED
+    seed: int = checked(DEFAULT_SEED, lambda value: type(value) is int, "an integer")
 
     def __post_init__(self) -> None:
-        if isinstance(self.problems, bool) or not isinstance(self.problems, int) or not 0 <= self.problems <= 5000:
-            raise ValueError(f"sat.heldout.problems must be an integer in [0, 5000], got {self.problems!r}")
-        if isinstance(self.samples, bool) or not isinstance(self.samples, int) or self.samples < 1:
-            raise ValueError(f"sat.heldout.samples must be an integer >= 1, got {self.samples!r}")
+        check_fields(self, "sat.heldout")
         steps = list(self.at)
         if any(isinstance(s, bool) or not isinstance(s, int) or s < 0 for s in steps):
             raise ValueError(f"sat.heldout.at must list optimizer steps >= 0, got {steps!r}")
         self.at = sorted(set(steps))
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
-            raise ValueError(f"sat.heldout.seed must be an integer, got {self.seed!r}")
 
     @property
     def enabled(self) -> bool:

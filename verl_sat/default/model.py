@@ -5,13 +5,10 @@ individually so numbers stay compositional), wrapped as ``PreTrainedTokenizerFas
 Qwen-style chat template; ``<|im_end|>`` ends a turn (EOS), ``<|endoftext|>`` pads.
 The model uses ``attn_implementation="sdpa"`` and ``_experts_implementation="eager"``
 (``grouped_mm`` also works on CPU, slightly slower at this size; ``batched_mm`` is very slow).
-
-``python -m verl_sat.default.model --out DIR`` writes a randomly initialised model + tokenizer.
 """
 
 from __future__ import annotations
 
-import argparse
 from pathlib import Path
 from typing import Any
 
@@ -118,15 +115,3 @@ def create(out_dir: str | Path, seed: int = 0, experts_implementation: str = "ea
     tokenizer = build_tokenizer()
     model = build_model(build_config(tokenizer, experts_implementation), seed)
     return save(model, tokenizer, out_dir)
-
-
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--out", required=True)
-    parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args()
-    print(create(args.out, args.seed))
-
-
-if __name__ == "__main__":
-    main()

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from verl_sat.config_node import check_fields, checked, integer, one_of
 from verl_sat.default import data as task
 from verl_sat.default import model as tiny
 from verl_sat.default.reward import compute_score
@@ -31,19 +32,19 @@ from verl_sat.default.reward import compute_score
 class WarmupArgs:
     """Warm-up settings."""
 
-    steps: int = 1500
+    steps: int = integer(1500, low=1)
     """at most this many optimizer steps"""
-    target_accuracy: float = 0.85
+    target_accuracy: float = checked(0.85, lambda value: 0.0 <= value <= 1.0, "in [0, 1]")
     """stop once the ``stop_on`` accuracy reaches this (0: always run ``steps``)"""
-    stop_on: str = "greedy"
+    stop_on: str = one_of("greedy", ("greedy", "sampled"))
     """greedy | sampled: which accuracy the stop checks (greedy: the model knows the sums)"""
-    check_every: int = 25
+    check_every: int = integer(25, low=1)
     """steps between accuracy checks (the jump from ~0.1 to ~0.7 can take under 50 steps)"""
-    check_samples: int = 64
+    check_samples: int = integer(64, low=1)
     """problems sampled at each check"""
     batch_size: int = 32
     """sequences per step"""
-    label_smoothing: float = 0.3
+    label_smoothing: float = checked(0.3, lambda value: 0.0 <= value < 1.0, "in [0, 1)")
     """label smoothing of the cross-entropy: the model learns the sums (greedy accuracy 0.85 at
     the stop) but keeps probability on every token, so at temperature 1 it mostly samples a wrong
     one; RL has the sampling to sharpen"""
@@ -57,18 +58,7 @@ class WarmupArgs:
     """torch intra-op threads (1 is fastest for a model this small, and on a shared 2-core host)"""
 
     def __post_init__(self) -> None:
-        if self.steps < 1:
-            raise ValueError(f"WarmupArgs.steps must be >= 1, got {self.steps}")
-        if not 0.0 <= self.target_accuracy <= 1.0:
-            raise ValueError(f"WarmupArgs.target_accuracy must be in [0, 1], got {self.target_accuracy}")
-        if self.check_samples < 1:
-            raise ValueError(f"WarmupArgs.check_samples must be >= 1, got {self.check_samples}")
-        if self.stop_on not in ("greedy", "sampled"):
-            raise ValueError(f"WarmupArgs.stop_on must be 'greedy' or 'sampled', got {self.stop_on!r}")
-        if not 0.0 <= self.label_smoothing < 1.0:
-            raise ValueError(f"WarmupArgs.label_smoothing must be in [0, 1), got {self.label_smoothing}")
-        if self.check_every < 1:
-            raise ValueError(f"WarmupArgs.check_every must be >= 1, got {self.check_every}")
+        check_fields(self, "WarmupArgs")
 
 
 def encode_example(tokenizer: Any, problem: task.Problem) -> tuple[list[int], int]:

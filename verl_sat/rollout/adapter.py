@@ -12,11 +12,10 @@ import os
 from typing import Any
 
 import ray
-import torch
 from verl.workers.rollout.base import BaseRollout
-from verl.workers.rollout.utils import ensure_async_iterator
 
 from verl_sat.rollout.server import server_name
+from verl_sat.rollout.weights import host_copies
 
 
 class HFServerAdapter(BaseRollout):
@@ -58,8 +57,6 @@ class HFServerAdapter(BaseRollout):
         """Collect the full ``(name, tensor)`` stream and send it to the server (leader rank only)."""
         if wire_format != "named_tensors":
             raise NotImplementedError(f"HF rollout supports wire_format='named_tensors' only, got {wire_format!r}")
-        named: dict[str, torch.Tensor] = {}
-        async for name, tensor in ensure_async_iterator(weights):
-            named[name] = tensor.detach().to("cpu").clone()
+        named = await host_copies(weights)
         if self.is_leader_rank:
             await self._server_actor().update_weights.remote(named, global_steps)

@@ -25,13 +25,9 @@ class HFReplica(RolloutReplica):
         server = server_cls.options(name=name, num_cpus=0, max_concurrency=self.max_concurrency).remote(
             config=self.config,
             model_config=self.model_config,
-            rollout_mode=self.rollout_mode,
             replica_rank=self.replica_rank,
         )
         await server.ready.remote()
         self.servers = [server]
         self._server_handle = server
         self._server_address = name
-
-    async def abort_all_requests(self, reject_request: bool = False) -> None:
-        await self._server_handle.abort_all_requests.remote(reject_request=reject_request)

@@ -48,9 +48,6 @@ def engine_options(config: Any, replica_rank: int) -> EngineOptions:
 
 def _model_path(model_config: Any) -> str:
     """Local model dir from an ``HFModelConfig`` or its raw DictConfig."""
-    local_path = getattr(model_config, "local_path", None) if not hasattr(model_config, "get") else None
-    if local_path:
-        return local_path
     from verl.utils.config import omega_conf_to_dataclass
     from verl.workers.config import HFModelConfig
 
@@ -66,11 +63,10 @@ class _Pending:
 class HFRolloutServer:
     """Rollout server actor (see module docstring). Created by ``HFReplica.launch_servers``."""
 
-    def __init__(self, config: Any, model_config: Any, rollout_mode: Any, replica_rank: int) -> None:
+    def __init__(self, config: Any, model_config: Any, replica_rank: int) -> None:
         import torch
 
         self.config = config
-        self.rollout_mode = rollout_mode
         self.replica_rank = replica_rank
         self.options = engine_options(config, replica_rank)
         torch.set_num_threads(self.options.num_threads)
@@ -102,9 +98,6 @@ class HFRolloutServer:
     async def ready(self) -> bool:
         self._ensure_started()
         return True
-
-    def get_server_address(self) -> str:
-        return server_name(self.replica_rank)
 
     # ------------------------------------------------------------------ generation
     async def generate(
@@ -210,9 +203,6 @@ class HFRolloutServer:
         self.engine.load_weights(named_tensors)
         if global_steps is not None:
             self.global_steps = global_steps
-
-    async def set_global_steps(self, global_steps: int) -> None:
-        self.global_steps = global_steps
 
     async def wake_up(self) -> None:
         """Nothing to restore on CPU: weights stay resident, the KV cache lives per batch."""

@@ -3,15 +3,18 @@
 verl's ``get_per_tensor_param`` unfuses Transformers-5 packed experts into per-expert
 checkpoint keys (``verl/workers/engine/fsdp/utils.py::unfuse_moe_params``); the HF rollout model
 holds them packed again (``mlp.experts.gate_up_proj`` ``[E, 2I, H]``, ``mlp.experts.down_proj``
-``[E, H, I]``). :func:`refuse_moe_params` inverts that split.
+``[E, H, I]``). :func:`refuse_moe_params` inverts that split. :func:`host_copies` drains verl's
+weight stream, for the HF adapter and the ``ray_object_store`` checkpoint engine alike.
 """
 
 from __future__ import annotations
 
 import re
 from collections import defaultdict
+from typing import Any
 
 import torch
+from verl.workers.rollout.utils import ensure_async_iterator
 
 _EXPERT_KEY = re.compile(r"^(?P<base>.*\.mlp\.experts)\.(?P<idx>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$")
 
@@ -41,3 +44,11 @@ def load_named_tensors(model: torch.nn.Module, named: dict[str, torch.Tensor]) -
     result = model.load_state_dict(state, strict=False)
     if result.unexpected_keys:
         raise KeyError(f"HF rollout: unexpected weight names {result.unexpected_keys[:8]}")
+
+
+async def host_copies(weights: Any) -> dict[str, torch.Tensor]:
+    """verl's ``(name, tensor)`` stream (sync or async), drained whole into detached host copies."""
+    named: dict[str, torch.Tensor] = {}
+    async for name, tensor in ensure_async_iterator(weights):
+        named[name] = tensor.detach().to("cpu").clone()
+    return named

@@ -20,15 +20,14 @@ from typing import Any
 
 import torch
 
-from verl_sat.routing.gates import RouteCounts, RouteInput, RouterHooks, routes_per_sample
+from verl_sat.routing.gates import RouteCounts, RouteInput, RouterHooks, router_replay_mode, routes_per_sample
 
 
 def fsdp_replay_mode(actor_config: Any) -> str:
     """``actor.fsdp_config.router_replay.mode`` of an FSDP actor, else ``disabled``."""
     if str(actor_config.get("strategy", "")) not in ("fsdp", "fsdp2"):
         return "disabled"
-    node = (actor_config.get("fsdp_config") or {}).get("router_replay") or {}
-    return str(node.get("mode", "disabled"))
+    return router_replay_mode(actor_config.get("fsdp_config"))
 
 
 class RoutingReplayFSDP:
@@ -39,15 +38,10 @@ class RoutingReplayFSDP:
     _rr_mask: torch.Tensor | None = None
     _rr_announced: frozenset[str] = frozenset()  # actions already reported in the log
 
-    def _replay_mode(self) -> str:
-        node = getattr(self.engine_config, "router_replay", None)  # type: ignore[attr-defined]
-        mode = node.get("mode") if isinstance(node, dict) or hasattr(node, "get") else getattr(node, "mode", None)
-        return str(mode or "disabled")
-
     def forward_backward_batch(self, data: Any, loss_function: Any, forward_only: bool = False) -> Any:
         from verl.utils import tensordict_utils as tu
 
-        mode = self._replay_mode()
+        mode = router_replay_mode(self.engine_config)  # type: ignore[attr-defined]
         flagged = bool(tu.get_non_tensor_data(data, "enable_routing_replay", default=False))
         if mode != "disabled" and not forward_only and not flagged:
             # a training pass that routes on its own while R2/R3 is configured trains on other

@@ -159,6 +159,15 @@ def align_routes(
     return indices, placed.unsqueeze(-1) & recorded_routes(indices)
 
 
+def router_replay_mode(engine_config: Any) -> str:
+    """``router_replay.mode`` of an engine's config node (a mapping, a DictConfig or verl's dataclass;
+    None without one), else ``disabled``: the one reader for the FSDP and the Megatron engine."""
+    node = engine_config
+    for key in ("router_replay", "mode"):
+        node = node.get(key) if hasattr(node, "get") else getattr(node, key, None)
+    return str(node or "disabled")
+
+
 def recorded_routes(indices: torch.Tensor) -> torch.Tensor:
     """``indices[..., k]`` -> bool ``[...]``: a recorded route, not the filler verl aligns with (its k
     experts all equal: zeros); with top-1 every row counts as recorded."""

@@ -31,15 +31,14 @@ from typing import Any
 
 import torch
 
-from verl_sat.routing.gates import RouteCounts, recorded_routes
+from verl_sat.routing.gates import RouteCounts, recorded_routes, router_replay_mode
 
 
 def megatron_replay_mode(actor_config: Any) -> str:
     """``actor.megatron.router_replay.mode`` of a Megatron actor, else ``disabled``."""
     if str(actor_config.get("strategy", "")) != "megatron":
         return "disabled"
-    node = (actor_config.get("megatron") or {}).get("router_replay") or {}
-    return str(node.get("mode", "disabled"))
+    return router_replay_mode(actor_config.get("megatron"))
 
 
 def own_topk(router: Any, hidden: torch.Tensor) -> torch.Tensor:

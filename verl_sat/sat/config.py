@@ -18,6 +18,8 @@ from dataclasses import dataclass
 
 from verl.workers.config.actor import PolicyLossConfig
 
+from verl_sat.config_node import check_fields, checked, flag, number, one_of
+
 POLICY_LOSS_KEY = "actor_rollout_ref.actor.policy_loss"
 
 # The kernels psi(u; q) the rule may use; each has psi(0) = 1, psi(q) = 1/2, non-increasing.
@@ -67,42 +69,19 @@ class SATPolicyLossConfig(PolicyLossConfig):
             ``actor/sat_score_drift`` says how far).
     """
 
-    sat_enabled: bool = True
-    sat_alpha: float = 0.9
-    sat_kernel: str = "hill"
-    sat_kernel_exponent: float = 2.0
-    sat_score_against: str = "old_log_prob"
-    sat_quantile_scope: str = "step"
-    sat_step_score: str = "forward"
+    sat_enabled: bool = flag(True)
+    sat_alpha: float = checked(0.9, lambda value: _is_number(value) and 0.0 < value < 1.0, "a number in (0, 1)")
+    sat_kernel: str = one_of("hill", KERNELS)
+    sat_kernel_exponent: float = number(2.0, strictly_positive=True)
+    sat_score_against: str = one_of("old_log_prob", SCORE_REFERENCES)
+    sat_quantile_scope: str = one_of("step", QUANTILE_SCOPES)
+    sat_step_score: str = one_of("forward", STEP_SCORES)
 
     def __post_init__(self) -> None:
         parent_post_init = getattr(super(), "__post_init__", None)
         if parent_post_init is not None:
             parent_post_init()
-        if not isinstance(self.sat_enabled, bool):
-            raise ValueError(f"{POLICY_LOSS_KEY}.sat_enabled must be a bool, got {self.sat_enabled!r}")
-        if not _is_number(self.sat_alpha) or not 0.0 < self.sat_alpha < 1.0:
-            raise ValueError(f"{POLICY_LOSS_KEY}.sat_alpha must be a number in (0, 1), got {self.sat_alpha!r}")
-        if self.sat_kernel not in KERNELS:
-            raise ValueError(f"{POLICY_LOSS_KEY}.sat_kernel must be one of {list(KERNELS)}, got {self.sat_kernel!r}")
-        if not _is_number(self.sat_kernel_exponent) or not self.sat_kernel_exponent > 0:
-            raise ValueError(
-                f"{POLICY_LOSS_KEY}.sat_kernel_exponent must be a number > 0, got {self.sat_kernel_exponent!r}"
-            )
-        if self.sat_score_against not in SCORE_REFERENCES:
-            raise ValueError(
-                f"{POLICY_LOSS_KEY}.sat_score_against must be one of {list(SCORE_REFERENCES)}, "
-                f"got {self.sat_score_against!r}"
-            )
-        if self.sat_quantile_scope not in QUANTILE_SCOPES:
-            raise ValueError(
-                f"{POLICY_LOSS_KEY}.sat_quantile_scope must be one of {list(QUANTILE_SCOPES)}, "
-                f"got {self.sat_quantile_scope!r}"
-            )
-        if self.sat_step_score not in STEP_SCORES:
-            raise ValueError(
-                f"{POLICY_LOSS_KEY}.sat_step_score must be one of {list(STEP_SCORES)}, got {self.sat_step_score!r}"
-            )
+        check_fields(self, POLICY_LOSS_KEY)
         if self.sat_step_score == "old_log_prob" and self.sat_score_against != "rollout_log_probs":
             raise ValueError(
                 f"{POLICY_LOSS_KEY}.sat_step_score=old_log_prob scores log pi_old - log mu, which needs "

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from verl_sat.sat.quantile import exact_quantile, quantile_rank
+from verl_sat.sat.quantile import quantile_rank
 
 LOG_RATIO_CLAMP = 20.0  # verl's vanilla clamps log r to [-20, 20] before exp
 
@@ -35,17 +35,6 @@ def top_m(x: torch.Tensor, m: int) -> tuple[torch.Tensor, torch.Tensor]:
     work = work if work.dtype in _SELECT_DTYPES else work.float()
     top = torch.topk(work, m, sorted=False)
     return top.values, top.indices
-
-
-def masked_quantile(x: torch.Tensor, mask: torch.Tensor, alpha: float) -> torch.Tensor:
-    """q = the alpha-quantile of x over mask, inverse-CDF convention (docs/sat.md#the-rule, step 2).
-
-    The smallest v in x[mask] with #{x[mask] <= v} / n >= alpha, i.e. the k-th smallest with
-    k = ceil(alpha n), by the exact radix selection that also serves the optimizer step's q
-    across ranks (``verl_sat.sat.quantile``). The losses select with ``top_m`` instead, whose
-    indices are the gate's candidates. Returns 0 when mask is empty.
-    """
-    return exact_quantile(x[mask.bool()], alpha)
 
 
 def padded_log_ratio(lp: torch.Tensor, ref: torch.Tensor, response_mask: torch.Tensor, clamp: bool) -> torch.Tensor:
@@ -101,8 +90,8 @@ class SATFactors:
 
     Only gated tokens (at most a fraction 1 - alpha of T_act) carry a contraction, so the
     factors are kept at those tokens: ``idx`` indexes the flattened score, ``c`` = psi(|d|; q)
-    there, ``positive`` = sign(d) > 0 there. ``gate``, ``c_plus`` and ``c_minus`` give the dense
-    view of the score's ``shape``, built only when read.
+    there, ``positive`` = sign(d) > 0 there (c_plus = c where positive, c_minus = c elsewhere,
+    both 1 off the gate). ``gate`` gives the dense view of the score's ``shape``, built only when read.
     """
 
     q: torch.Tensor  # () the batch reference
@@ -117,21 +106,6 @@ class SATFactors:
         out = torch.zeros(self.shape, dtype=torch.bool, device=self.idx.device).reshape(-1)
         out[self.idx] = True
         return out.view(self.shape)
-
-    def _dense(self, side: torch.Tensor) -> torch.Tensor:
-        out = torch.ones(self.shape, dtype=self.c.dtype, device=self.c.device).reshape(-1)
-        out[self.idx[side]] = self.c[side]
-        return out.view(self.shape)
-
-    @property
-    def c_plus(self) -> torch.Tensor:
-        """c_plus = psi(u_plus; q) where gated (d > 0), 1 elsewhere (psi(0) = 1 for d < 0)."""
-        return self._dense(self.positive)
-
-    @property
-    def c_minus(self) -> torch.Tensor:
-        """c_minus = psi(u_minus; q) where gated (d < 0), 1 elsewhere."""
-        return self._dense(~self.positive)
 
 
 def sat_factors(
@@ -194,22 +168,6 @@ def gated_bounds(f: SATFactors, eps_low: float, eps_high: float) -> tuple[torch.
     lower = torch.where(f.positive, 1.0 - eps_low, 1.0 - eps_low * f.c)
     upper = torch.where(f.positive, 1.0 + eps_high * f.c, 1.0 + eps_high)
     return lower, upper
-
-
-def adaptive_bounds(
-    f: SATFactors, eps_low: float, eps_high: float, like: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The clip interval [1 - eps_low~, 1 + eps_high~] for every token (dense view of step 6).
-
-    Ungated tokens get the base endpoints, computed as verl computes them (a Python scalar
-    cast to the tensor's dtype), so their interval is bit-identical to PPO's.
-    """
-    lower_g, upper_g = gated_bounds(f, eps_low, eps_high)
-    lower = torch.full(like.shape, 1.0 - eps_low, dtype=like.dtype, device=like.device).reshape(-1)
-    upper = torch.full(like.shape, 1.0 + eps_high, dtype=like.dtype, device=like.device).reshape(-1)
-    lower[f.idx] = lower_g.to(like.dtype)
-    upper[f.idx] = upper_g.to(like.dtype)
-    return lower.view(like.shape), upper.view(like.shape)
 
 
 def sat_clip(ratio: torch.Tensor, f: SATFactors, eps_low: float, eps_high: float) -> torch.Tensor:
