@@ -1,6 +1,6 @@
 """The GPU install (``recipes/sat_paper/install_gpu.sh``) and its one source of versions
-(``verl_sat/preflight/stack.py``): pip's own resolver answers for the GPU node, and a pin that
-conflicts makes the dry run fail, naming the conflict.
+(``verl_sat/preflight/stack.py``, read through ``recipes/sat_paper/gpu_stack.py``): pip's own
+resolver answers for the GPU node, and a pin that conflicts makes the dry run fail, naming the conflict.
 
 The dry runs need the package index (CI reaches it). Each downloads what pip's resolver reads: only
 each wheel's metadata where the index serves it (PEP 658), else whole wheels (several GB: about
@@ -12,16 +12,19 @@ from __future__ import annotations
 import importlib.metadata
 import re
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 from packaging.requirements import Requirement
 
 from verl_sat.preflight import stack
-from verl_sat.preflight.stack import GPU_STACK, OVERRIDES, Override, override_for
+from verl_sat.preflight.stack import GPU_STACK, OVERRIDES, override_for
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "recipes" / "sat_paper" / "install_gpu.sh"
+sys.path.insert(0, str(SCRIPT.parent))
+import gpu_stack  # noqa: E402  (the script install_gpu.sh runs)
 
 
 def _dry_run(*args: str) -> subprocess.CompletedProcess[str]:
@@ -84,7 +87,7 @@ def test_an_override_needs_a_package_of_the_stack_and_a_reason() -> None:
 
 
 def _report(name: str, version: str, requires: list[str]) -> dict:
-    """A pip ``--report`` holding one package (the fields stack.py reads)."""
+    """A pip ``--report`` holding one package (the fields gpu_stack.py reads)."""
     return {"install": [{"metadata": {"name": name, "version": version, "requires_dist": requires}}]}
 
 
@@ -98,19 +101,19 @@ def test_kept_requirements_drop_the_overrides_and_check_no_deps_pins() -> None:
         'decord2; platform_machine == "aarch64"',
         "torch>=2.6.0",
     ]
-    assert stack.kept_requirements(_report("megatron-bridge", GPU_STACK["megatron-bridge"], requires)) == [
+    assert gpu_stack.kept_requirements(_report("megatron-bridge", GPU_STACK["megatron-bridge"], requires)) == [
         "torch>=2.6.0"
     ]
     with pytest.raises(ValueError, match=r"megatron-core>=0\.19.*megatron-core\[dev,mlm\]==0\.18\.0"):
-        stack.kept_requirements(_report("megatron-bridge", GPU_STACK["megatron-bridge"], ["megatron-core>=0.19"]))
+        gpu_stack.kept_requirements(_report("megatron-bridge", GPU_STACK["megatron-bridge"], ["megatron-core>=0.19"]))
     with pytest.raises(ValueError, match=r"sglang 0\.5\.11, the stack pins 0\.5\.12"):
-        stack.kept_requirements(_report("sglang", "0.5.11", []))
+        gpu_stack.kept_requirements(_report("sglang", "0.5.11", []))
 
 
 def test_an_override_the_package_no_longer_declares_is_reported() -> None:
     """A stale override (the dependent dropped the pin) is named, so OVERRIDES stays true."""
-    stale = stack.stale_overrides(_report("sglang", GPU_STACK["sglang"], ["transformers==5.9.0"]))
-    assert Override("sglang", "transformers==5.6.0", OVERRIDES[0].reason) in stale
+    stale = gpu_stack.stale_overrides(_report("sglang", GPU_STACK["sglang"], ["transformers==5.9.0"]))
+    assert gpu_stack.Override("sglang", "transformers==5.6.0", OVERRIDES[0].reason) in stale
 
 
 @pytest.mark.extended  # ~3-7 min: pip downloads whole wheels here (tests/README.md)

@@ -22,7 +22,10 @@ from pathlib import Path
 
 import pytest
 
-from verl_sat.preflight.stack import GPU_STACK, TARGET_PLATFORMS, TARGET_PYTHON
+from verl_sat.preflight.stack import GPU_STACK
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "recipes" / "sat_paper"))
+from gpu_stack import TARGET_PLATFORMS, TARGET_PYTHON  # noqa: E402  (install_gpu.sh's target)
 
 ROOTS = ("verl.workers.engine.megatron", "verl.workers.engine_workers")
 DOC = Path(__file__).resolve().parents[1] / "docs" / "gpu_path.md"

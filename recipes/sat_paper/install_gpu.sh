@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The paper's GPU stack (verl 0.9.1, SGLang 0.5.12, Megatron-Bridge, megatron-core, TransformerEngine,
 # torch 2.11 for CUDA 13, cupy) and this project, into the active Python 3.12 environment.
-# Every version comes from verl_sat/preflight/stack.py; docs/reproduce.md ("Install on the GPU node").
+# Every version comes from verl_sat/preflight/stack.py, read through gpu_stack.py beside this script;
+# docs/reproduce.md ("Install on the GPU node").
 #
 #   recipes/sat_paper/install_gpu.sh              # install (GPU node, CUDA 13 toolkit for TE's build)
 #   recipes/sat_paper/install_gpu.sh --dry-run    # pip's resolver for the GPU node; installs nothing
@@ -21,7 +22,7 @@ REPO_ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 PYTHON=${PYTHON:-python}
 CACHE=${VERL_SAT_CACHE:-${HOME}/.cache/verl-sat}/wheels
 # A plain script (standard library and packaging): nothing of verl-sat's requirements is needed yet.
-STACK=("${PYTHON}" "${REPO_ROOT}/verl_sat/preflight/stack.py")
+STACK=("${PYTHON}" "${REPO_ROOT}/recipes/sat_paper/gpu_stack.py")
 
 DRY_RUN=
 EXTRA=()
@@ -42,7 +43,7 @@ WORK=$(mktemp -d)
 trap 'rm -rf "${WORK}"' EXIT
 mkdir -p "${CACHE}"
 
-# pip itself at stack.py's version (Python 3.11's bundled pip 23.2 misjudges a 3.12 target): the
+# pip itself at gpu_stack.py's version (Python 3.11's bundled pip 23.2 misjudges a 3.12 target): the
 # dry run runs it from its wheel, leaving the calling environment as it is; the install upgrades to it.
 PIP_VERSION=$(stack --pip)
 if [[ -n ${DRY_RUN} ]]; then
