@@ -24,6 +24,7 @@ from verl_sat.preflight import checks, cli, estimates
 from verl_sat.preflight import facts as node_facts
 from verl_sat.preflight.estimates import snapshot_bytes, step_writeback_fields, warmup_prompts
 from verl_sat.preflight.facts import GPU, Facts, Finding, ModelFacts
+from verl_sat.trainer.recipe import trainer_dp_size
 
 REPO = Path(__file__).resolve().parents[1]
 H200 = 141 * 10**9
@@ -547,7 +548,7 @@ def test_the_trainer_ranks_fetch_the_batch_as_verl_dispatches_it(cfg: DictConfig
         batch = KVBatchMeta(partition_id="train", keys=[f"k{i}" for i in range(samples)], tags=[{}] * samples)
         (per_rank,), _ = decorator.dispatch_lazy_compute_data_proto("train", group, batch)
         copies = estimates.rank_copy_bytes(cfg, BASE_CONFIG)
-        assert max(mapping) + 1 == estimates.data_parallel_size(cfg) == copies["dp"], (gpus, tp, pp, ep)
+        assert max(mapping) + 1 == trainer_dp_size(cfg) == copies["dp"], (gpus, tp, pp, ep)
         assert [len(chunk.keys) for chunk in per_rank] == [copies["samples_per_rank"]] * gpus
         assert sum(len(chunk.keys) for chunk in per_rank) * copies["per_sample"] == copies["total"]
 

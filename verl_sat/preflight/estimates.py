@@ -235,23 +235,6 @@ def optimizer_batch_samples(cfg: DictConfig) -> int:
     return int(get(cfg, "data.train_batch_size", 0)) // parameter_sync_step(cfg) * int(get(cfg, f"{ROLLOUT}.n", 1))
 
 
-def data_parallel_size(cfg: DictConfig) -> int:
-    """The trainer's data-parallel size, the ``dp_size`` verl's dispatch splits a batch into
-    (``max(dp_rank_mapping) + 1`` over the engine's ``get_data_parallel_rank``).
-
-    Megatron: trainer GPUs // (TP × PP × CP), as megatron.core's ``initialize_model_parallel``
-    (expert parallelism does not enter it), and 1 with ``dynamic_context_parallel`` (verl's engine);
-    FSDP: trainer GPUs // ``ulysses_sequence_parallel_size``.
-    """
-    gpus = trainer_gpus(cfg)
-    if str(get(cfg, "actor_rollout_ref.actor.strategy", "")) == "megatron":
-        if bool(get(cfg, f"{MEGATRON}.dynamic_context_parallel", False)):
-            return 1
-        lay = megatron_layout(cfg)
-        return max(1, gpus // (lay["tp"] * lay["pp"] * lay["cp"]))
-    return max(1, gpus // int(get(cfg, "actor_rollout_ref.actor.fsdp_config.ulysses_sequence_parallel_size", 1)))
-
-
 def rank_copy_bytes(
     cfg: DictConfig, config: dict[str, Any] | None, buffer: dict[str, int] | None = None
 ) -> dict[str, int] | None:
@@ -274,7 +257,9 @@ def rank_copy_bytes(
         return None
     response = int(get(cfg, "data.max_response_length", 0))
     per_sample = buffer["per_sample"] + response * WRITEBACK_BYTES_PER_RESPONSE_TOKEN * len(step_writeback_fields(cfg))
-    ranks, dp = int(get(cfg, "trainer.n_gpus_per_node", 0)), data_parallel_size(cfg)
+    from verl_sat.trainer.recipe import trainer_dp_size  # the size verl's dispatch splits a batch into
+
+    ranks, dp = int(get(cfg, "trainer.n_gpus_per_node", 0)), trainer_dp_size(cfg)
     samples = -(-optimizer_batch_samples(cfg) // dp)
     return {
         "ranks": ranks,

@@ -351,14 +351,18 @@ ROLLOUT_KEY = "actor_rollout_ref.rollout"
 
 
 def trainer_dp_size(cfg: DictConfig) -> int:
-    """The trainer's data-parallel ranks: ``trainer.nnodes × trainer.n_gpus_per_node`` over the
-    actor's model-parallel size (FSDP: Ulysses SP; Megatron: TP × PP × CP)."""
+    """The trainer's data-parallel ranks, the ``dp_size`` verl's dispatch splits a batch into
+    (``max(dp_rank_mapping) + 1`` over the engine's ``get_data_parallel_rank``): ``trainer.nnodes ×
+    trainer.n_gpus_per_node`` over the actor's model-parallel size (FSDP: Ulysses SP; Megatron: TP × PP
+    × CP, as megatron.core's ``initialize_model_parallel``, and 1 with ``dynamic_context_parallel``)."""
     world = int(OmegaConf.select(cfg, "trainer.nnodes", default=1) or 1) * int(
         OmegaConf.select(cfg, "trainer.n_gpus_per_node", default=1) or 1
     )
     actor = OmegaConf.select(cfg, ACTOR_KEY) or {}
     if str(actor.get("strategy", "fsdp")) == "megatron":
         megatron = actor.get("megatron") or {}
+        if megatron.get("dynamic_context_parallel", False):  # verl's engine: one data-parallel rank
+            return 1
         shards = 1
         for key in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size"):
             shards *= int(megatron.get(key) or 1)
