@@ -19,7 +19,7 @@ from types import ModuleType
 import pytest
 import torch
 
-import verl_sat.cpu as cpu
+import verl_sat.cpu.patching as cpu
 from verl_sat.cpu import megatron
 
 HERE = Path(__file__).resolve().parent

@@ -20,7 +20,7 @@ from types import ModuleType
 import pytest
 import torch
 
-import verl_sat.cpu as cpu
+import verl_sat.cpu.patching as cpu
 from verl_sat.cpu import sglang as cpu_sglang
 
 TESTS = Path(__file__).resolve().parent

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-import verl_sat.cpu as cpu
+import verl_sat.cpu.patching as cpu
 from verl_sat.cpu import vllm as vllm_cpu
 
 

@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from verl_sat.cpu import ScopedTorch, checked, scope
+from verl_sat.cpu.patching import ScopedTorch, checked, scope
 from verl_sat.cpu.platform import CPUDeviceModule
 from verl_sat.hooks import when_imported, wrap_once
 

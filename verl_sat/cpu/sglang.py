@@ -43,7 +43,7 @@ from typing import Any
 
 import torch
 
-from verl_sat.cpu import ScopedTorch, checked, installed_version, scope
+from verl_sat.cpu.patching import ScopedTorch, checked, installed_version, scope
 from verl_sat.hooks import when_imported, wrap_once
 
 WRITTEN_FOR = "0.5.12"

@@ -29,7 +29,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from verl_sat.cpu import installed_version, require
+from verl_sat.cpu.patching import installed_version, require
 from verl_sat.hooks import wrap_once
 
 WRITTEN_FOR = "0.28.0"
