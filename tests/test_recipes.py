@@ -547,7 +547,7 @@ def megatron_optimizer_config(cfg: Any) -> Any:
 
 
 def launched(method: str, lag: int, *overrides: str) -> Any:
-    """A cell as ``verl_sat.main`` hands it to verl (``resolved_cell``: ``recipe.resolve``, the launch's own)."""
+    """A cell as ``verl_sat.main`` hands it to verl (``preflight.cli.resolve``: composed, then ``recipe.resolve``)."""
     return resolve(method, lag, overrides)
 
 

@@ -7,7 +7,7 @@ A *cell* is one row of Table 1 (a method) at one lag. It is the main config
 
 plus the run's name and directory (``sat.method``, ``sat.run_dir``). ``recipes/sat_paper/run.sh``
 launches a cell with the overrides printed by ``--overrides``; ``--print`` is a dry run that prints
-the config verl receives for any cell (``verl_sat.preflight.cli.resolve``: composed, then changed by
+the config verl receives for any cell (composed, then changed by
 ``verl_sat.trainer.recipe.resolve``, the function the launch runs; the run directory's own keys are
 set when the run starts)::
 
@@ -196,9 +196,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.overrides:
         print("\n".join(cell_overrides(args.method, args.lag, run_dir=args.run_dir)))
         return 0
-    from verl_sat.preflight.cli import resolve  # composed, then verl_sat.trainer.recipe.resolve (lines to stderr)
+    from verl_sat.trainer.recipe import resolve
 
-    print(OmegaConf.to_yaml(resolve(args.method, args.lag, args.hydra_overrides)))
+    cfg = compose_cell(args.method, args.lag, args.hydra_overrides)
+    resolve(cfg, log=lambda line: print(line, file=sys.stderr))  # what verl_sat.main.prepare changes
+    print(OmegaConf.to_yaml(cfg, resolve=True))
     return 0
 
 
