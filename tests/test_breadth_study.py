@@ -142,7 +142,7 @@ def test_docs_and_readme_quote_the_committed_breadth_results(breadth):
     protocol = breadth.base.read_protocol(breadth.PROTOCOL)
     rows = breadth.read_rows(RESULTS / "runs.csv")
     state = breadth.base.protocol_state(breadth.PROTOCOL, REPO)
-    assert {r["protocol_blob"] for r in rows} == {state["protocol_blob"]} and {r["quick"] for r in rows} == {"False"}
+    assert {r["protocol_blob"] for r in rows} == {state["protocol_blob"]} and {r["quick"] for r in rows} == {False}
     for phase in ("part1", "part2", "part3"):
         for spec in breadth.phase_specs(protocol, phase):
             assert any(r["name"] == spec.name and r["heldout_acc"] is not None for r in rows), spec.name

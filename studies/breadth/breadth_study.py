@@ -19,7 +19,6 @@ commit and blob and the assets' fingerprint.
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import math
 import sys
@@ -217,21 +216,12 @@ def activity(stats: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
-NUMBER_SUFFIXES = ("_acc", "_initial", "_frac", "_final", "_reward", "_median")
+TEXT_COLUMNS = ("arm", "name", "tag", "assets_fingerprint", "protocol_commit", "protocol_blob", "protocol_path")
 
 
 def read_rows(path: Path) -> list[dict[str, Any]]:
-    """A committed runs.csv typed as ``sat_study.run_stats`` writes it (what the analysis reads):
-    the analysis of the committed rows is the analysis of the runs."""
-    typed = []
-    for r in csv.DictReader(path.open()):
-        row: dict[str, Any] = {**r, "lag": int(r["lag"]), "seed": int(r["seed"])}
-        row["collapsed"] = {"True": True, "False": False}.get(r["collapsed"])
-        for k, v in r.items():
-            if k.startswith(f"{KEY}@") or k.endswith(NUMBER_SUFFIXES):
-                row[k] = float(v) if v else None
-        typed.append(row)
-    return typed
+    """A committed runs.csv typed as ``sat_study.run_stats`` writes it (``sat_study.read_csv``)."""
+    return base.read_csv(path, TEXT_COLUMNS)
 
 
 def from_rows(stats: Sequence[dict[str, Any]], protocol: dict[str, Any]) -> dict[str, Any]:

@@ -41,7 +41,7 @@ import re
 import subprocess
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any, ClassVar
@@ -345,6 +345,29 @@ def write_csv(path: Path, stats: Sequence[dict[str, Any]]) -> Path:
         writer.writeheader()
         writer.writerows(stats)
     return path
+
+
+def read_csv(
+    path: Path,
+    text: Collection[str],
+    flags: Collection[str] = ("collapsed", "quick"),
+    ints: Collection[str] = ("seed", "lag", "steps"),
+) -> list[dict[str, Any]]:
+    """A runs.csv typed back as :func:`write_csv` wrote it: ``text`` columns as written, ``flags`` as
+    bools, ``ints`` as ints, every other column a float (None when empty). Each study names its text
+    columns; the analysis of the committed rows is then the analysis of the runs."""
+
+    def typed(key: str, value: str) -> Any:
+        if key in text:
+            return value
+        if key in flags:
+            return {"True": True, "False": False}.get(value)
+        if key in ints:
+            return int(value)
+        return float(value) if value != "" else None
+
+    with path.open(newline="") as handle:
+        return [{k: typed(k, v) for k, v in row.items()} for row in csv.DictReader(handle)]
 
 
 def load_runs(out: Path) -> tuple[list[Spec], dict[str, list[dict[str, Any]]]]:

@@ -403,25 +403,11 @@ def interim_quotes(rows: Sequence[dict[str, Any]]) -> list[str]:
 
 
 TEXT_COLUMNS = ("arm", "name", "tag", "assets_fingerprint", "protocol_commit", "protocol_blob", "protocol_path")
-FLAG_COLUMNS = ("collapsed", "quick")
-INT_COLUMNS = ("seed", "lag", "steps")
 
 
 def read_rows(path: Path) -> list[dict[str, Any]]:
-    """The committed runs.csv typed back as ``run_stats`` wrote it (text, flags, ints, the rest floats
-    or None): the analysis of the committed rows is the analysis of the runs."""
-    import csv
-
-    def typed(key: str, value: str) -> Any:
-        if key in TEXT_COLUMNS:
-            return value
-        if key in FLAG_COLUMNS:
-            return {"True": True, "False": False}.get(value)
-        if key in INT_COLUMNS:
-            return int(value)
-        return float(value) if value != "" else None
-
-    return [{k: typed(k, v) for k, v in row.items()} for row in csv.DictReader(path.open())]
+    """The committed runs.csv typed back as ``run_stats`` wrote it (``sat_study.read_csv``)."""
+    return base.read_csv(path, TEXT_COLUMNS)
 
 
 def summarize(out: Path, protocol: dict[str, Any], results: Path | None = None) -> dict[str, Any]:

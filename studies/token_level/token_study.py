@@ -371,22 +371,8 @@ TEXT_COLUMNS += ("assets_fingerprint", "loop_blob", "instrument_blobs")
 
 
 def read_rows(path: Path) -> list[dict[str, Any]]:
-    """The committed runs.csv typed back (numbers as floats, seed and lag as ints): the analysis of
-    the committed rows is the analysis of the runs."""
-    import csv
-
-    typed = []
-    for r in csv.DictReader(path.open()):
-        row: dict[str, Any] = {}
-        for k, v in r.items():
-            if k in ("seed", "lag", "steps"):
-                row[k] = int(v)
-            elif k in TEXT_COLUMNS:
-                row[k] = v
-            else:
-                row[k] = float(v) if v != "" else None
-        typed.append(row)
-    return typed
+    """The committed runs.csv typed back (``sat_study.read_csv``; ``quick`` is text here)."""
+    return base.read_csv(path, TEXT_COLUMNS, flags=())
 
 
 def report(
