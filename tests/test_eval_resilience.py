@@ -461,3 +461,6 @@ def test_torn_last_line_is_dropped(tmp_path: Path) -> None:
     path.write_text('{"problem_id": "a", "sample_index": 0}\n{"problem_id": "a", "sam')
     assert read_samples(path) == [{"problem_id": "a", "sample_index": 0}]
     assert path.read_text() == '{"problem_id": "a", "sample_index": 0}\n'  # cut, so appends start clean
+    path.write_text('{"problem_id": "a"}\nnot json\n{"problem_id": "b"}\n')
+    with pytest.raises(ValueError, match="line 2 is not valid JSON"):
+        read_samples(path)

@@ -133,10 +133,10 @@ def read_json(path: Path) -> dict[str, Any] | None:
     return record if isinstance(record, dict) else None
 
 
-def write_json(path: Path, record: dict[str, Any]) -> None:
+def write_json(path: Path, record: dict[str, Any], indent: int = 1) -> None:
     """Write ``record`` to ``path`` atomically (temporary file, then rename)."""
     tmp = Path(path).with_name(Path(path).name + ".tmp")
-    tmp.write_text(json.dumps(record, indent=1))
+    tmp.write_text(json.dumps(record, indent=indent, ensure_ascii=False) + "\n", encoding="utf-8")
     os.replace(tmp, path)
 
 

@@ -28,7 +28,7 @@ from typing import Any
 
 from verl_sat.eval.data import Problem
 from verl_sat.eval.jobs import SamplingConfig
-from verl_sat.files import append_jsonl, read_jsonl, write_jsonl
+from verl_sat.files import append_jsonl, read_jsonl, write_json, write_jsonl
 
 SAMPLES = "samples.jsonl"
 SETTINGS = "eval_config.json"
@@ -65,12 +65,24 @@ def eval_settings(
 
 
 def read_samples(path: Path) -> list[dict[str, Any]]:
-    """The samples of a ``samples.jsonl`` (``verl_sat.files.read_jsonl``: a line that does not parse,
-    such as a torn last one, is dropped); the file is rewritten without it, so appends start clean."""
-    records = read_jsonl(path)
-    if path.is_file():
-        write_jsonl(path, records)
-    return records
+    """The samples of a ``samples.jsonl``. A torn last line (the process died while writing it: no
+    newline after it) is dropped and cut from the file, so appends start clean; any other line that
+    is not a JSON object is an error naming it (``verl_sat.files.read_jsonl``, strict)."""
+    if not path.is_file():
+        return []
+    text = path.read_text(encoding="utf-8")
+    head, _, last = text.rpartition("\n")
+    if last.strip():  # no newline after the last line
+        try:
+            json.loads(last)
+            text += "\n"  # complete but for its newline
+        except ValueError:
+            text = head + "\n" if head else ""
+        path.write_text(text, encoding="utf-8")
+    try:
+        return read_jsonl(path, strict=True)
+    except ValueError as err:
+        raise ValueError(f"{err}; fix or delete the line, then --resume") from None
 
 
 def check_settings(saved: Mapping[str, Any], current: Mapping[str, Any], where: Path) -> None:
@@ -138,7 +150,7 @@ class SampleLog:
             self._refuse_unfinished()
             self.path.write_text("", encoding="utf-8")
         (self.out / SUMMARY).unlink(missing_ok=True)
-        self.settings_path.write_text(json.dumps(dict(settings), indent=2, ensure_ascii=False) + "\n")
+        write_json(self.settings_path, dict(settings), indent=2)
         return kept
 
     def _kept(
@@ -170,4 +182,4 @@ class SampleLog:
     def finish(self, records: Sequence[Mapping[str, Any]], summary: Mapping[str, Any]) -> None:
         """A complete evaluation: rewrite the samples in (problem, sample) order, then the summary."""
         write_jsonl(self.path, records)
-        (self.out / SUMMARY).write_text(json.dumps(dict(summary), indent=2, ensure_ascii=False) + "\n")
+        write_json(self.out / SUMMARY, dict(summary), indent=2)
