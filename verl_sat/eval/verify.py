@@ -321,8 +321,15 @@ def _too_costly(latex: str) -> bool:
 FLOAT_ROUNDING = 12
 
 
-# math-verify's only warnings here say its timeouts are off (``call_with_alarm`` bounds the work).
-logging.getLogger("math_verify").setLevel(logging.ERROR)
+class _QuietDisabledTimeout(logging.Filter):
+    """Drops math-verify's one-time warning that its timeout is off: ``call_with_alarm`` is on."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "Timeout is disabled" not in record.getMessage()
+
+
+for _logger in ("math_verify.parser", "math_verify.grader"):
+    logging.getLogger(_logger).addFilter(_QuietDisabledTimeout())
 
 
 @functools.lru_cache(maxsize=_CACHE_SIZE)
