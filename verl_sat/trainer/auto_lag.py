@@ -185,8 +185,9 @@ class AutoLagTrainerMixin:
         if "_sat_auto_lag" not in self.__dict__:
             sat = self.config.get("sat") or {}  # type: ignore[attr-defined]
             auto = sat.get("lag") == AUTO
-            config = config_from_node(AutoLagConfig, sat.get("auto_lag"), "sat.auto_lag")
-            self._sat_auto_lag = AutoLag(config) if auto else None
+            self._sat_auto_lag = (
+                AutoLag(config_from_node(AutoLagConfig, sat.get("auto_lag"), "sat.auto_lag")) if auto else None
+            )
             self._sat_auto_signal: tuple[float | None, int | None] = (None, None)
         return self._sat_auto_lag
 
