@@ -25,6 +25,7 @@ from typing import Any, TextIO
 
 RUN_DIR_ENV = "VERL_SAT_RUN_DIR"
 PROCESSES_DIR = "processes"
+GRACE_S = 20.0  # how long a watch waits for the interrupted driver before it ends the process itself
 
 
 def current_actor_id() -> str | None:
@@ -58,8 +59,8 @@ class Watchdog(threading.Thread):
     ``report``s it (one line), interrupts the driver, which shuts Ray down and exits ``exit_code``,
     and ends the process with that code itself if the driver is still there ``grace_s`` later."""
 
-    exit_code: int = 1
-    grace_s: float = 20.0
+    exit_code: int  # each watch's own (the supervisor's 4, the placement watch's 5)
+    grace_s: float = GRACE_S
 
     def __init__(self, name: str, interval: float, out: TextIO | None) -> None:
         super().__init__(daemon=True, name=name)

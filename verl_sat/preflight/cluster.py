@@ -83,7 +83,6 @@ AUTH_REFUSED = ("AuthenticationError", "InvalidAuthToken", "Unauthenticated")
 PLACEMENT_TIMEOUT_ENV = "VERL_SAT_PLACEMENT_TIMEOUT_S"
 PLACEMENT_TIMEOUT_S = 300.0
 EXIT_NOT_PLACED = 5
-GRACE_S = 20.0
 
 
 # ---------------------------------------------------------------------------------------------
@@ -455,10 +454,9 @@ class PlacementWatch(Watchdog):
     """Stops the job when one of its placement groups stays pending past ``timeout_s``: verl waits
     on ``pg.ready()`` without a limit (``RayResourcePool.get_placement_groups``), inside its task
     runner, so the driver polls Ray's placement-group table every ``interval`` seconds, prints one
-    line, interrupts itself and exits ``EXIT_NOT_PLACED`` (forced ``GRACE_S`` later if it hangs)."""
+    line, interrupts itself and exits ``EXIT_NOT_PLACED`` (forced ``verl_sat.processes.GRACE_S`` later if it hangs)."""
 
     exit_code = EXIT_NOT_PLACED
-    grace_s = GRACE_S
 
     def __init__(self, timeout_s: float | None = None, interval: float = 2.0, out: TextIO | None = None) -> None:
         super().__init__("verl-sat-placement", interval, out)

@@ -38,7 +38,6 @@ from verl_sat.files import read_json
 from verl_sat.processes import PROCESSES_DIR, Watchdog
 
 EXIT_PROCESS_DIED = 4
-GRACE_S = 20.0
 SERVER_CLASS_SUFFIX = "HttpServer"  # verl 0.9.1's vLLMHttpServer, SGLangHttpServer, TRTLLMHttpServer
 # verl's server actor names: "<engine>_server_<replica>_<node>" (vLLM, SGLang), "trtllm_server_<replica>"
 SERVER_NAME = re.compile(r"(?P<engine>[a-z]+)_server_(?P<replica>\d+)(?:_(?P<node>\d+))?")
@@ -130,7 +129,6 @@ class Supervisor(Watchdog):
     """Checks the watched processes of the job every ``interval`` seconds (module docstring)."""
 
     exit_code = EXIT_PROCESS_DIED
-    grace_s = GRACE_S
 
     def __init__(
         self, run_dir: Path, total_steps: int | None = None, interval: float = 1.0, out: TextIO | None = None
