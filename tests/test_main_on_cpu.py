@@ -27,6 +27,7 @@ MODEL, TRAIN, VAL, REWARD = (
     default_assets.REWARD_PATH_KEY,
 )
 CORRECTION = "algorithm.rollout_correction"
+ROLLOUT_MICRO = f"{launch.ROLLOUT_KEY}.log_prob_micro_batch_size_per_gpu"
 
 
 @pytest.fixture(autouse=True)
@@ -94,6 +95,25 @@ def test_default_fills_every_unset_key_and_records_it(assets, tmp_path, no_build
     assert {k: OmegaConf.select(cfg, k) for k in expected} == expected
     assert cfg.reward.custom_reward_function.name == "compute_score"  # the yaml's (and verl's) own
     assert run_record(tmp_path)["filled_by_default"] == expected
+
+
+def test_cfg_job_prints_what_the_launch_hands_verl_and_builds_nothing(tmp_path, no_build, monkeypatch, capsys):
+    """``verl-sat --cfg job``: the composed config changed as ``prepare`` changes it (the lag's keys,
+    the embedded default's paths and micro-batches, a passed value kept), with no assets built."""
+    assets = tmp_path / "assets"
+    argv = ["verl-sat", f"sat.assets_dir={assets}", "sat.lag=4", f"{ROLLOUT_MICRO}=3", "--cfg", "job", "--resolve"]
+    monkeypatch.setattr("sys.argv", argv)
+    main.main()
+    printed = OmegaConf.create(capsys.readouterr().out)
+    assert not assets.exists()
+    assert OmegaConf.select(printed, MODEL) == str(assets / "model")
+    assert OmegaConf.select(printed, TRAIN) == str(assets / "data/train.parquet")
+    assert OmegaConf.select(printed, f"{launch.ACTOR_KEY}.ppo_micro_batch_size_per_gpu") == 32
+    assert OmegaConf.select(printed, ROLLOUT_MICRO) == 3
+    assert printed.trainer.v1.separate_async.parameter_sync_step == 4
+    monkeypatch.setattr("sys.argv", [*argv, "--package", "trainer.v1.separate_async"])
+    main.main()
+    assert OmegaConf.create(capsys.readouterr().out).parameter_sync_step == 4
 
 
 def test_an_unset_reward_name_is_filled_with_the_path(assets, tmp_path, no_build):

@@ -1103,6 +1103,11 @@ def test_run_sh_prints_the_config_without_gpus(tmp_path: Path) -> None:
     assert printed.actor_rollout_ref.actor.megatron.router_replay.mode == "R3"
     assert printed.data.max_response_length == 30720 and printed.sat.method == "sat_gspo_r3"
     assert "[preflight]" not in out.stdout + out.stderr and not (tmp_path / "runs").exists()
+    # what verl receives, not only Hydra's composition: sat.lag's derived keys and the Megatron betas
+    assert printed.trainer.v1.separate_async.parameter_sync_step == 8
+    assert printed.data.train_batch_size == 8 * printed.actor_rollout_ref.actor.ppo_mini_batch_size
+    betas = printed.actor_rollout_ref.actor.optim.override_optimizer_config
+    assert (betas.adam_beta1, betas.adam_beta2) == (0.9, 0.98)
 
 
 @pytest.mark.parametrize("flag", [["--cfg", "job"], ["-c", "all"], ["--info"], ["--hydra-help"], ["--help"]])

@@ -396,18 +396,6 @@ def test_dry_run_prints_resolved_config(capsys: pytest.CaptureFixture[str]) -> N
     assert "${" not in str(printed)
 
 
-def test_dry_run_prints_the_micro_batches_the_launch_fills(capsys: pytest.CaptureFixture[str]) -> None:
-    from verl_sat.trainer.recipe import rank_share
-
-    off = ["actor_rollout_ref.actor.use_dynamic_bsz=false", "actor_rollout_ref.rollout.log_prob_use_dynamic_bsz=false"]
-    assert recipes.main(["--print", "sat_gspo_r3", "8", *off]) == 0
-    printed = yaml.safe_load(capsys.readouterr().out)
-    share = rank_share(OmegaConf.create(printed))
-    assert share >= 1
-    assert printed["actor_rollout_ref"]["actor"]["ppo_micro_batch_size_per_gpu"] == share
-    assert printed["actor_rollout_ref"]["rollout"]["log_prob_micro_batch_size_per_gpu"] == share
-
-
 def test_list_and_overrides(capsys: pytest.CaptureFixture[str]) -> None:
     assert recipes.main(["--list"]) == 0
     listed = capsys.readouterr().out.splitlines()

@@ -12,11 +12,13 @@ checks every path and makes the run directory (``verl_sat.trainer.launch.prepare
 then runs verl's v1 trainer under the supervisor
 (``verl_sat.trainer.supervisor``), with a line a step and a closing summary
 (``verl_sat.trainer.progress``) on a console that Ray's and the workers' output does not drown
-(``verl_sat.trainer.console``).
+(``verl_sat.trainer.console``). ``--cfg job`` prints the config verl receives, launching nothing.
 """
 
 from __future__ import annotations
 
+import argparse
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -88,9 +90,41 @@ def run(cfg: DictConfig) -> list[dict[str, Any]]:
     return rows
 
 
-@hydra.main(config_path=str(hydra_config_dir()), config_name="sat_gspo_cpu", version_base=None)
-def main(cfg: DictConfig) -> None:
+DEFAULT_CONFIG = "sat_gspo_cpu"
+
+
+@hydra.main(config_path=str(hydra_config_dir()), config_name=DEFAULT_CONFIG, version_base=None)
+def hydra_main(cfg: DictConfig) -> None:
     run(cfg)
+
+
+def print_job(args: argparse.Namespace) -> None:
+    """``--cfg job``: the config verl receives (``launch.config_verl_receives``), composed as the launch
+    composes it (``--config-path``, absolute or relative to this package, ``--config-name``,
+    ``--config-dir``), printed as Hydra prints it (``--resolve``, ``--package``)."""
+    from hydra import compose, initialize_config_dir
+
+    config_dir = Path(__file__).parent / args.config_path if args.config_path else hydra_config_dir()
+    overrides = list(args.overrides)
+    if args.config_dir:
+        overrides.append(f"hydra.searchpath=[file://{Path(args.config_dir).absolute()}]")
+    with initialize_config_dir(config_dir=str(config_dir.absolute()), version_base=None):
+        cfg = compose(config_name=args.config_name or DEFAULT_CONFIG, overrides=overrides)
+    launch.config_verl_receives(cfg, log=lambda line: print(line, file=sys.stderr))
+    node = OmegaConf.select(cfg, args.package) if args.package not in (None, "_global_") else cfg
+    print(OmegaConf.to_yaml(node, resolve=args.resolve) if isinstance(node, DictConfig) else node)
+
+
+def main() -> None:
+    """``verl-sat``: Hydra's app, whose ``--cfg job`` (``-c job``) prints the config verl receives after
+    verl-sat's mapping and fills (:func:`print_job`), not only Hydra's composition; every other flag is Hydra's."""
+    from hydra._internal.utils import get_args_parser
+
+    args = get_args_parser().parse_args()
+    if args.cfg == "job":
+        print_job(args)
+    else:
+        hydra_main()
 
 
 if __name__ == "__main__":

@@ -8,8 +8,8 @@ A *cell* is one row of Table 1 (a method) at one lag. It is the main config
 plus the run's name and directory (``sat.method``, ``sat.run_dir``). ``recipes/sat_paper/run.sh``
 launches a cell with the overrides printed by ``--overrides``; ``--print`` is a dry run that prints
 the config verl receives for any cell (composed, then changed by
-``verl_sat.trainer.recipe.resolve``, the function the launch runs, and by the launch's
-``fill_micro_batches``; the run directory's own keys are set when the run starts)::
+``verl_sat.trainer.launch.config_verl_receives``: the launch's own ``recipe.resolve`` and fills; the
+run directory's own keys are set when the run starts)::
 
     python -m verl_sat.paper.grid --list
     python -m verl_sat.paper.grid --print sat_gspo_r3 8 [hydra overrides...]
@@ -196,12 +196,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.overrides:
         print("\n".join(cell_overrides(args.method, args.lag, run_dir=args.run_dir)))
         return 0
-    from verl_sat.trainer.launch import fill_micro_batches
-    from verl_sat.trainer.recipe import resolve
+    from verl_sat.trainer.launch import config_verl_receives
 
     cfg = compose_cell(args.method, args.lag, args.hydra_overrides)
-    resolve(cfg, log=lambda line: print(line, file=sys.stderr))  # what verl_sat.main.prepare changes
-    fill_micro_batches(cfg)  # and the launch's fill of the micro-batch sizes left unset
+    config_verl_receives(cfg, log=lambda line: print(line, file=sys.stderr))  # what verl_sat.main.prepare changes
     print(OmegaConf.to_yaml(cfg, resolve=True))
     return 0
 

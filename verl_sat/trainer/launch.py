@@ -47,7 +47,7 @@ from verl_sat.processes import RUN_DIR_ENV
 from verl_sat.trainer import auto_lag
 from verl_sat.trainer.accounting import prepare_resume
 from verl_sat.trainer.faults import check_writable, latest_checkpoint
-from verl_sat.trainer.recipe import ACTOR_KEY, ROLLOUT_KEY, SATRecipeConfig, rank_share
+from verl_sat.trainer.recipe import ACTOR_KEY, ROLLOUT_KEY, SATRecipeConfig, rank_share, resolve
 
 TOKENIZER_PATH_KEY = "actor_rollout_ref.model.tokenizer_path"
 # Keys a run cannot start without (checked whether or not the embedded default fills them).
@@ -119,20 +119,21 @@ def fill_micro_batches(cfg: DictConfig) -> dict[str, int]:
     return filled
 
 
-def fill_defaults(cfg: DictConfig, assets_dir: str | None = None) -> dict[str, str | int]:
+def fill_defaults(cfg: DictConfig, assets_dir: str | None = None, build: bool = True) -> dict[str, str | int]:
     """Fill each key of the embedded default that the user left unset; returns ``{key: value}`` filled.
 
     A value the user passed is kept, whatever it is; our default configs leave the four keys null
     so that "null" is what "unset" means. The tiny model and data are built (once) only when the
     model or a data split is to be filled. The micro-batch sizes left null follow the
     data-parallel size (:func:`fill_micro_batches`). The reward's function name defaults to
-    ``compute_score``; a name the user set must exist in the embedded reward module.
+    ``compute_score``; a name the user set must exist in the embedded reward module. ``build=False``
+    names the paths without building them (a print of the config).
     """
     from verl_sat.default import reward
 
     fill = keys_to_fill(cfg)
     assets = Path(assets_dir) if assets_dir else default_assets_dir()
-    if any(k != REWARD_PATH_KEY for k in fill) and not assets_complete(assets):
+    if build and any(k != REWARD_PATH_KEY for k in fill) and not assets_complete(assets):
         build_assets_once(assets)
     values = default_values(assets)
     filled = {key: values[key] for key in fill}
@@ -149,6 +150,21 @@ def fill_defaults(cfg: DictConfig, assets_dir: str | None = None) -> dict[str, s
         for key, value in filled.items():
             OmegaConf.update(cfg, key, value, merge=False)
     return {**filled, **fill_micro_batches(cfg)}
+
+
+def fill_launch(cfg: DictConfig, sat: SATRecipeConfig, build: bool = True) -> dict[str, str | int]:
+    """What the launch fills into ``cfg`` before verl sees it: the embedded default's keys left unset
+    (``sat.default_assets``, :func:`fill_defaults`); returns ``{key: value}`` filled."""
+    return fill_defaults(cfg, sat.assets_dir, build=build) if sat.default_assets else {}
+
+
+def config_verl_receives(cfg: DictConfig, log: Callable[[str], None] = print) -> DictConfig:
+    """``cfg`` changed as the launch changes it for verl, launching nothing: ``recipe.resolve``, then
+    :func:`fill_launch` (the embedded default's paths named, not built). What ``verl-sat --cfg job``
+    and ``python -m verl_sat.paper.grid --print`` print; the run directory's keys are set at launch."""
+    sat, _ = resolve(cfg, log=log)
+    fill_launch(cfg, sat, build=False)
+    return cfg
 
 
 # ---------------------------------------------------------------------------------------------
@@ -333,7 +349,7 @@ def prepare_run(
     node (``verl_sat.preflight.cluster.prepare_cluster``, handed in by ``verl_sat.main``: the preflight
     imports this module, so this module does not import it).
     """
-    filled = fill_defaults(cfg, sat.assets_dir) if sat.default_assets else {}
+    filled = fill_launch(cfg, sat)
     if filled:
         log(f"[verl-sat] embedded default fills what was left unset: {', '.join(filled)}")
     check_paths(cfg)
