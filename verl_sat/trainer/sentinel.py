@@ -54,6 +54,7 @@ from __future__ import annotations
 
 import math
 import os
+import statistics
 from collections import deque
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -152,9 +153,9 @@ class SentinelConfig:
 # ---------------------------------------------------------------------------------------------
 def robust_center_scale(history: Iterable[float], rel_floor: float) -> tuple[float, float, float]:
     """(med, sigma, scale) of a history: med(H), 1.4826 MAD(H), max(sigma, rho |med|, 1e-12)."""
-    values = np.asarray(list(history), dtype=float)
-    med = float(np.median(values))
-    sigma = MAD_TO_SIGMA * float(np.median(np.abs(values - med)))
+    values = [float(v) for v in history]
+    med = statistics.median(values)
+    sigma = MAD_TO_SIGMA * statistics.median([abs(v - med) for v in values])
     return med, sigma, max(sigma, rel_floor * abs(med), 1e-12)
 
 
