@@ -111,8 +111,16 @@ def print_job(args: argparse.Namespace) -> None:
     with initialize_config_dir(config_dir=str(config_dir.absolute()), version_base=None):
         cfg = compose(config_name=args.config_name or DEFAULT_CONFIG, overrides=overrides)
     launch.config_verl_receives(cfg, log=lambda line: print(line, file=sys.stderr))
-    node = OmegaConf.select(cfg, args.package) if args.package not in (None, "_global_") else cfg
-    print(OmegaConf.to_yaml(node, resolve=args.resolve) if isinstance(node, DictConfig) else node)
+    package = None if args.package == "_global_" else args.package
+    node = cfg if package is None else OmegaConf.select(cfg, package)
+    if node is None:
+        raise SystemExit(f"package '{package}' not found in config")
+    if not isinstance(node, DictConfig):
+        print(node)
+        return
+    if package is not None:
+        print(f"# @package {package}")
+    print(OmegaConf.to_yaml(node, resolve=args.resolve), end="")
 
 
 def main() -> None:
