@@ -113,7 +113,9 @@ def test_cfg_job_prints_what_the_launch_hands_verl_and_builds_nothing(tmp_path, 
     assert printed.trainer.v1.separate_async.parameter_sync_step == 4
     monkeypatch.setattr("sys.argv", [*argv, "--package", "trainer.v1.separate_async"])
     main.main()
-    assert OmegaConf.create(capsys.readouterr().out).parameter_sync_step == 4
+    out = capsys.readouterr().out
+    assert out.startswith("# @package trainer.v1.separate_async\n")  # as Hydra's own --cfg prints a package
+    assert OmegaConf.create(out).parameter_sync_step == 4
 
 
 def test_an_unset_reward_name_is_filled_with_the_path(assets, tmp_path, no_build):
