@@ -1228,6 +1228,18 @@ def test_a_node_without_an_nvidia_driver_has_no_gpu_and_says_why(cfg: DictConfig
     assert "0 visible" in short.message and "no NVIDIA driver" in short.message
 
 
+
+def test_the_cpu_default_passes_on_this_node_as_the_launch_fills_it(cached_default_assets, capsys) -> None:
+    """``python -m verl_sat.preflight`` on the CPU default, for real on this GPU-less node: no GPU is
+    asked of a CPU run, and the model and data checked are the ones the launch fills in (the
+    embedded default's, ``launch.config_verl_receives``), not an empty model path."""
+    assert cli.main([f"sat.assets_dir={cached_default_assets}"]) == 0, capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "[preflight] passed: 0 failure(s)" in out and "gpu_count" not in out
+    cfg = cli.resolve(overrides=[f"sat.assets_dir={cached_default_assets}"])
+    assert cfg.actor_rollout_ref.model.path == str(cached_default_assets / "model")
+    assert checks.check_gpu_count(cfg, replace(good_facts(cfg), gpus=())) == []
+
 NCCL_ENGINE = """
 import json, sys, types
 cupy = types.ModuleType("cupy")

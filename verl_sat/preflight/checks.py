@@ -25,6 +25,7 @@ from verl_sat.preflight.estimates import (
     is_standalone_rollout,
     kept_checkpoints,
     megatron_layout,
+    on_cpu,
     optimizer_offload_fraction,
     pool_bundles,
     ray_budget_bytes,
@@ -54,7 +55,9 @@ from verl_sat.preflight.stack import GPU_STACK, override_for
 # checks: pure functions (config, facts) -> findings
 # ---------------------------------------------------------------------------------------------
 def check_gpu_count(cfg: DictConfig, facts: Facts) -> list[Finding]:
-    """This node has the GPUs of the trainer pool plus the standalone rollout pool."""
+    """This node has the GPUs of the trainer pool plus the standalone rollout pool (none on a CPU run)."""
+    if on_cpu(cfg):
+        return []
     n_train = int(get(cfg, "trainer.n_gpus_per_node", 0))
     n_roll = int(get(cfg, f"{ROLLOUT}.n_gpus_per_node", 0)) if is_standalone_rollout(cfg) else 0
     single_node = int(get(cfg, "trainer.nnodes", 1)) == 1 and int(get(cfg, f"{ROLLOUT}.nnodes", 0)) <= 1
@@ -772,7 +775,7 @@ NODE_CHECKS = (check_gpu_memory, check_host_memory, check_disk, check_requiremen
 
 def check_each_node(cfg: DictConfig, facts: dict[Node, Facts]) -> list[Finding]:
     """``NODE_CHECKS`` on each node's facts (GPU memory on GPU runs only), the line naming the node."""
-    checks = NODE_CHECKS if str(get(cfg, "trainer.device", "cuda")) != "cpu" else NODE_CHECKS[1:]
+    checks = NODE_CHECKS[1:] if on_cpu(cfg) else NODE_CHECKS
     return [
         Finding(f.check, f.key, f"node {node.name}: {f.message}", f.level)
         for node, node_facts in facts.items()
@@ -804,7 +807,7 @@ def check_same_versions(facts: dict[Node, Facts]) -> list[Finding]:
 def check_gpu_slots(cfg: DictConfig, facts: dict[Node, Facts]) -> list[Finding]:
     """On a GPU run, each raylet's ``GPU`` slots are the GPUs NVML reports there (verl places a
     worker per slot; a raylet started with another --num-gpus misplaces or starves them)."""
-    if str(get(cfg, "trainer.device", "cuda")) == "cpu":
+    if on_cpu(cfg):
         return []
     return [
         Finding(

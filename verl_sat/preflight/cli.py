@@ -53,11 +53,13 @@ def resolve(
     overrides: Sequence[str] = (),
     run_dir: str | None = None,
     config_name: str = "sat_gspo_cpu",
+    build: bool = False,
 ) -> DictConfig:
     """The config as ``verl_sat.main`` hands it to verl: the grid's cell (``verl_sat.paper.grid``)
-    or ``config_name`` composed with ``overrides``, then changed by ``verl_sat.trainer.recipe.resolve``
-    (the function the launch runs; its lines go to stderr), then resolved."""
-    from verl_sat.trainer.recipe import resolve as resolve_recipe
+    or ``config_name`` composed with ``overrides``, then changed as the launch changes it
+    (``verl_sat.trainer.launch.config_verl_receives``: ``recipe.resolve`` and the embedded default's
+    fills, built once when ``build``, as the launch would; its lines go to stderr), then resolved."""
+    from verl_sat.trainer.launch import config_verl_receives
 
     extra = ([f"sat.run_dir={run_dir}"] if run_dir else []) + list(overrides)
     if method is not None and lag is not None:
@@ -71,7 +73,7 @@ def resolve(
 
         with initialize_config_dir(config_dir=str(hydra_config_dir()), version_base=None):
             cfg = compose(config_name=config_name, overrides=extra)
-    resolve_recipe(cfg, log=lambda line: print(line, file=sys.stderr))
+    config_verl_receives(cfg, log=lambda line: print(line, file=sys.stderr), build=build)
     cfg = OmegaConf.create(OmegaConf.to_container(cfg, resolve=True))
     local_dir = str(get(cfg, "trainer.default_local_dir", ""))
     if get(cfg, "sat.run_dir") and (not local_dir or "checkpoints/" in local_dir):
@@ -257,7 +259,7 @@ def main(argv: Sequence[str] | None = None, gather_fn: Callable[[DictConfig], Fa
         print("\n".join(memory_table(memory_rows(args.overrides))))
         return 0
     method, lag, overrides = split_cell(args.overrides)
-    cfg = resolve(method, lag, overrides, args.run_dir, args.config_name or "sat_gspo_cpu")
+    cfg = resolve(method, lag, overrides, args.run_dir, args.config_name or "sat_gspo_cpu", build=True)
     address = args.address or cluster_address(cfg)
     ok = on_the_cluster(cfg, address, args.json) if address else on_this_node(cfg, args.json, gather_fn)
     return 0 if ok else 1

@@ -47,6 +47,11 @@ def as_list(value: Any) -> list[str]:
     return [str(v) for v in value]
 
 
+def on_cpu(cfg: DictConfig) -> bool:
+    """A CPU run (``trainer.device=cpu``, the embedded default): no GPU to check (its "GPUs" are Ray's CPU slots)."""
+    return str(get(cfg, "trainer.device", "cuda")) == "cpu"
+
+
 def is_standalone_rollout(cfg: DictConfig) -> bool:
     """separate_async with ``hybrid_engine=false``: rollout GPUs are a pool of their own."""
     return base_mode(cfg) == "separate_async" and not bool(get(cfg, "actor_rollout_ref.hybrid_engine", True))

@@ -158,12 +158,13 @@ def fill_launch(cfg: DictConfig, sat: SATRecipeConfig, build: bool = True) -> di
     return fill_defaults(cfg, sat.assets_dir, build=build) if sat.default_assets else {}
 
 
-def config_verl_receives(cfg: DictConfig, log: Callable[[str], None] = print) -> DictConfig:
+def config_verl_receives(cfg: DictConfig, log: Callable[[str], None] = print, build: bool = False) -> DictConfig:
     """``cfg`` changed as the launch changes it for verl, launching nothing: ``recipe.resolve``, then
-    :func:`fill_launch` (the embedded default's paths named, not built). What ``verl-sat --cfg job``
-    and ``python -m verl_sat.paper.grid --print`` print; the run directory's keys are set at launch."""
+    :func:`fill_launch` (the embedded default's paths named; built only when ``build``). What
+    ``verl-sat --cfg job`` and ``python -m verl_sat.paper.grid --print`` print and the preflight
+    checks (it builds); the run directory's keys are set at launch."""
     sat, _ = resolve(cfg, log=log)
-    fill_launch(cfg, sat, build=False)
+    fill_launch(cfg, sat, build=build)
     return cfg
 
 
