@@ -1228,7 +1228,6 @@ def test_a_node_without_an_nvidia_driver_has_no_gpu_and_says_why(cfg: DictConfig
     assert "0 visible" in short.message and "no NVIDIA driver" in short.message
 
 
-
 def test_the_cpu_default_passes_on_this_node_as_the_launch_fills_it(cached_default_assets, capsys) -> None:
     """``python -m verl_sat.preflight`` on the CPU default, for real on this GPU-less node: no GPU is
     asked of a CPU run, and the model and data checked are the ones the launch fills in (the
@@ -1239,6 +1238,7 @@ def test_the_cpu_default_passes_on_this_node_as_the_launch_fills_it(cached_defau
     cfg = cli.resolve(overrides=[f"sat.assets_dir={cached_default_assets}"])
     assert cfg.actor_rollout_ref.model.path == str(cached_default_assets / "model")
     assert checks.check_gpu_count(cfg, replace(good_facts(cfg), gpus=())) == []
+
 
 NCCL_ENGINE = """
 import json, sys, types

@@ -28,7 +28,6 @@ from verl_sat.preflight.estimates import (
     on_cpu,
     optimizer_offload_fraction,
     pool_bundles,
-    ray_budget_bytes,
     ray_kill_bytes,
     rollout_pool_gpus,
     rollout_replica_gpus,
@@ -591,7 +590,7 @@ def unknown_size(check: str) -> Finding:
 def check_host_memory(cfg: DictConfig, facts: Facts) -> list[Finding]:
     """The node's host memory at the worst case (``host_memory_bytes``: the offloaded optimizer,
     TransferQueue's rollout buffer with R3's routes, and each trainer rank's copy of the optimizer
-    batch) fits under Ray's memory-kill threshold (``ray_budget_bytes``), not merely in RAM."""
+    batch) fits under Ray's memory-kill threshold (``ray_kill_bytes``, less what is in use), not merely in RAM."""
     if facts.host_mem_available_bytes is None:
         return []
     params = facts.model.params
@@ -610,9 +609,9 @@ def check_host_memory(cfg: DictConfig, facts: Facts) -> list[Finding]:
             )
         ]
     total = facts.host_mem_total_bytes or facts.host_mem_available_bytes
-    budget = ray_budget_bytes(
-        total, facts.host_mem_available_bytes, facts.ray_memory_threshold, facts.ray_min_memory_free_bytes
-    )
+    kill = ray_kill_bytes(total, facts.ray_memory_threshold, facts.ray_min_memory_free_bytes)
+    in_use = total - facts.host_mem_available_bytes  # Ray's used memory (GetLinuxMemoryBytes): MemTotal − MemAvailable
+    budget = kill - in_use
     if need["total"] <= budget:
         return out
     buffer, copies = need["buffer_detail"], need["copies_detail"]
@@ -632,8 +631,6 @@ def check_host_memory(cfg: DictConfig, facts: Facts) -> list[Finding]:
         f"{copies['samples_per_rank']} samples × {copies['per_sample'] / 2**20:.1f} MiB through TransferQueue) = "
         f"{gib(need['rank_copies'])}"
     )
-    kill = ray_kill_bytes(total, facts.ray_memory_threshold, facts.ray_min_memory_free_bytes)
-    in_use = total - facts.host_mem_available_bytes
     fraction_key = f"{OPTIM}.override_optimizer_config.optimizer_offload_fraction"
     key = fraction_key if need["optimizer"] > need["buffer"] + need["rank_copies"] else "data.max_response_length"
     return out + [

@@ -26,6 +26,7 @@ import os
 import sys
 import time
 import uuid
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -129,13 +130,12 @@ def alive_nodes() -> list[Node]:
     return sorted(nodes, key=lambda n: (not n.is_head, n.ip, n.node_id))
 
 
-def on_each_node(fn: Callable[..., Any], *args: Any, nodes: Sequence[Node] | None = None) -> dict[Node, Any]:
-    """``fn(*args)`` on every node at once (``nodes``, default all alive ones), each a task pinned to
+def on_each_node(fn: Callable[..., Any], *args: Any, nodes: Sequence[Node]) -> dict[Node, Any]:
+    """``fn(*args)`` on every node of ``nodes`` at once (``alive_nodes``), each a task pinned to
     its node (no CPU reserved, never retried): node -> result."""
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-    nodes = list(nodes) if nodes is not None else alive_nodes()
     task = ray.remote(num_cpus=0, max_retries=0)(fn)
     pinned = [NodeAffinitySchedulingStrategy(node_id=node.node_id, soft=False) for node in nodes]
     refs = [task.options(scheduling_strategy=strategy).remote(*args) for strategy in pinned]
@@ -224,17 +224,15 @@ def largest(nodes: Sequence[Node]) -> Node:
 
 
 def layout_refusal(cfg: DictConfig, nodes: Sequence[Node]) -> str | None:
-    """Why the nodes cannot hold the layout's pools, placed by ``place`` on ``estimates.pool_bundles``
+    """Why the nodes cannot hold the layout's pools, placed by ``fits`` on ``estimates.pool_bundles``
     (the preflight's ``cluster_layout`` finding, and the job's refusal); None if they fit."""
     from verl_sat.preflight.estimates import pool_bundles
 
     groups = pool_bundles(cfg)
-    if not nodes or place(groups, nodes) is not None:
+    if not nodes or fits(groups, nodes):
         return None
     big = largest(nodes)
-    pools: dict[tuple[str, int, int], int] = {}
-    for group in groups:
-        pools[group] = pools.get(group, 0) + 1
+    pools = Counter(groups)
     asked = ", ".join(f"pool {pool}: {k} group(s) of {g} GPU + {c} CPU" for (pool, g, c), k in pools.items())
     over = [f"pool {pool}'s {g} GPU + {c} CPU" for pool, g, c in pools if g > big.gpus or c > big.cpus]
     why = f"{' and '.join(over)} exceed(s) every node" if over else f"together they exceed the {len(nodes)} node(s)"
@@ -278,20 +276,17 @@ def make_absolute(cfg: DictConfig) -> list[str]:
     return changed
 
 
-def place(groups: Sequence[tuple[str, int, int]], nodes: Sequence[Node]) -> dict[int, Node] | None:
+def fits(groups: Sequence[tuple[str, int, int]], nodes: Sequence[Node]) -> bool:
     """First-fit decreasing of the groups on the nodes' GPU and CPU slots (each group on one node,
-    as verl's placement groups are); group index -> node, or None when they do not fit."""
+    as verl's placement groups are); True when every group finds a node."""
     free = {node: [node.gpus, node.cpus] for node in nodes}
-    placed: dict[int, Node] = {}
-    for i in sorted(range(len(groups)), key=lambda i: -groups[i][1]):
-        _, gpus, cpus = groups[i]
+    for _, gpus, cpus in sorted(groups, key=lambda group: -group[1]):
         target = next((n for n in nodes if free[n][0] >= gpus and free[n][1] >= cpus), None)
         if target is None:
-            return None
+            return False
         free[target][0] -= gpus
         free[target][1] -= cpus
-        placed[i] = target
-    return placed
+    return True
 
 
 @dataclass(frozen=True)
@@ -330,8 +325,8 @@ def seen_on_node(paths: dict[str, list[str]], tokens: dict[str, str], token: str
     return {"missing": missing, "unseen": unseen}
 
 
-def paths_on_nodes(cfg: DictConfig, shared: dict[str, Path], nodes: Sequence[Node] | None = None) -> list[Unseen]:
-    """On every node of the connected cluster: each local path the config names exists, and each
+def paths_on_nodes(cfg: DictConfig, shared: dict[str, Path], nodes: Sequence[Node]) -> list[Unseen]:
+    """On every node of ``nodes`` (the connected cluster's): each local path the config names exists, and each
     ``shared`` directory (key -> directory, created here) holds the token the driver wrote into it."""
     token = uuid.uuid4().hex
     tokens = {}

@@ -310,12 +310,6 @@ def ray_kill_bytes(total: int, threshold: float, min_free: int = -1) -> int:
     return max(fraction, total - min_free) if min_free >= 0 else fraction
 
 
-def ray_budget_bytes(total: int, available: int, threshold: float, min_free: int = -1) -> int:
-    """Host memory a job may still take before Ray kills a worker: Ray's used memory is
-    MemTotal − MemAvailable (``GetLinuxMemoryBytes``), so budget = ``ray_kill_bytes`` − (total − available)."""
-    return ray_kill_bytes(total, threshold, min_free) - (total - available)
-
-
 def step_writeback_fields(cfg: DictConfig) -> tuple[str, ...]:
     """The fields verl's step writes into TransferQueue for the batch it trains (fp32, over the
     response; ``verl/trainer/ppo/v1/trainer_base.py``): ``old_log_probs`` (bypass mode: a copy of
