@@ -51,7 +51,7 @@ import numpy as np
 import torch
 
 from verl_sat.trainer.accounting import SampleAccountingMixin
-from verl_sat.trainer.auto_lag import AutoLagTrainerMixin
+from verl_sat.trainer.auto_lag import BY_STALENESS, AutoLagTrainerMixin
 from verl_sat.trainer.engines import check_engine, enable_step_q, engine_mixins, register_engine
 from verl_sat.trainer.faults import FaultMixin, scale_lr
 from verl_sat.trainer.heldout import HeldoutTrainerMixin, score_worker_model
@@ -59,7 +59,6 @@ from verl_sat.trainer.sentinel import SentinelTrainerMixin
 
 STALENESS_FIELD = "sat_staleness"
 STALENESS_BUCKETS = 33  # per-staleness metrics for s = 0..31; bucket 32 holds s >= 32
-BY_STALENESS = "actor/sat_by_staleness"
 # per bucket, summed over micro-batches. No "sum", "total", "max", "min" or "mean" in the names:
 # verl's v1 MetricsAggregator picks its reduction over a step's iterations by name (a "sum" key is
 # summed, the others averaged), and the three must be reduced alike for their ratios to hold.
@@ -119,11 +118,6 @@ def staleness_in_steps(
 # ---------------------------------------------------------------------------------------------
 # the installed loss
 # ---------------------------------------------------------------------------------------------
-def _padded(data: Any, key: str) -> torch.Tensor:
-    value = data[key]
-    return value.to_padded_tensor(0.0) if getattr(value, "is_nested", False) else value
-
-
 def staleness_breakdown(
     staleness: torch.Tensor,
     log_prob: torch.Tensor,
@@ -143,7 +137,7 @@ def staleness_breakdown(
     computed here. ``finish_staleness_breakdown`` turns the step's sums into rates.
     """
     from verl_sat.sat.config import sat_settings
-    from verl_sat.sat.rule import sat_factors
+    from verl_sat.sat.rule import sat_factors, staleness_score
 
     mask = response_mask.bool()
     if int(mask.sum()) == 0:
@@ -151,11 +145,8 @@ def staleness_breakdown(
     d = (log_prob.detach() - mu_log_prob).clamp(-20, 20)
     if gate is None or gate.shape != d.shape:
         sat = sat_settings(config.policy_loss)
-        if config.policy_loss.get("loss_mode", "vanilla") in ("gspo", "sat_gspo"):
-            seq = (d * mask).sum(-1) / mask.sum(-1).clamp(min=1)
-            score = seq.unsqueeze(-1).expand_as(d)  # the sequence score SAT-GSPO gates on (docs/sat.md#sequence-level)
-        else:
-            score = d
+        level = "sequence" if config.policy_loss.get("loss_mode", "vanilla") in ("gspo", "sat_gspo") else "token"
+        score = staleness_score(level, log_prob, mu_log_prob, response_mask)  # SAT's d (docs/sat.md#sequence-level)
         gate = sat_factors(score, mask, sat.sat_alpha, sat.sat_kernel, sat.sat_kernel_exponent).gate
     bucket = staleness.to(d.device).round().long().clamp(0, STALENESS_BUCKETS - 1).reshape(-1, 1).expand_as(d)
     b = bucket[mask]
@@ -224,14 +215,14 @@ def sat_ppo_loss(config: Any, model_output: Any, data: Any, dp_group: Any = None
     from verl.workers.utils.padding import no_padding_2_padding
 
     from verl_sat.sat.losses import loss_context, mu_log_prob
-    from verl_sat.sat.step_q import WHOLE_STEP_KEY
+    from verl_sat.sat.step_q import WHOLE_STEP_KEY, padded
 
     staleness = data[STALENESS_FIELD] if STALENESS_FIELD in data.keys() else None
     if staleness is not None:
-        staleness = _padded(data, STALENESS_FIELD).reshape(-1)
-    rollout = _padded(data, "rollout_log_probs") if "rollout_log_probs" in data.keys() else None
-    old = _padded(data, "old_log_probs")
-    mask = _padded(data, "response_mask").bool()
+        staleness = padded(data, STALENESS_FIELD).reshape(-1)
+    rollout = padded(data, "rollout_log_probs") if "rollout_log_probs" in data.keys() else None
+    old = padded(data, "old_log_probs")
+    mask = padded(data, "response_mask").bool()
     step_q, scored, step_metrics = step_inputs(data, old)
     whole_step = bool(tu.get_non_tensor_data(data, key=WHOLE_STEP_KEY, default=False))
     with staleness_context(staleness), loss_context(rollout, step_q, scored, whole_step) as ctx:

@@ -92,12 +92,12 @@ def inert_warning(rows: Sequence[dict[str, Any]], eps_high: float, window: int =
     PPO's interval, where PPO clips it too. So when q exceeds log(1 + eps_high) on most of the
     last ``window`` steps, SAT gates tokens that PPO already clips: SAT is inert.
     """
-    qs = [float(r[Q_KEY]) for r in rows if isinstance(r.get(Q_KEY), int | float)][-window:]
+    qs = _values(rows, Q_KEY)[-window:]
     radius = math.log1p(eps_high)
     above = sum(q > radius for q in qs)
     if len(qs) < window or above <= window / 2:
         return None
-    icpt = [float(r[INTERCEPT_KEY]) for r in rows[-window:] if isinstance(r.get(INTERCEPT_KEY), int | float)]
+    icpt = _values(rows[-window:], INTERCEPT_KEY)
     return (
         f"[verl-sat] warning: SAT is inert here: q > log(1 + eps_high) = {radius:.3f} on {above} of the last "
         f"{len(qs)} steps (median q {sorted(qs)[len(qs) // 2]:.3f}); mean intercepted fraction "

@@ -138,8 +138,6 @@ def _verl_reference_config(name: str) -> DictConfig:
     """verl's fully expanded reference config (``verl/trainer/config/_generated_<name>.yaml``)."""
     from importlib.resources import files
 
-    from omegaconf import OmegaConf
-
     return OmegaConf.load(str(files("verl.trainer.config") / f"_generated_{name}.yaml"))
 
 
@@ -155,8 +153,6 @@ def carry_settings(current: DictConfig, fsdp_default: DictConfig, target: DictCo
     """Copy into ``target`` every leaf of ``current`` that differs from verl's FSDP default, when its
     top-level node exists in ``target`` (loss, batch sizes, optimizer...); returns the leaves dropped
     (engine-only nodes such as ``fsdp_config``). Interpolations compare unresolved."""
-    from omegaconf import OmegaConf
-
     raw = OmegaConf.to_container(current, resolve=False)
     default = OmegaConf.to_container(fsdp_default, resolve=False)
     dropped = []
@@ -185,8 +181,6 @@ def apply_strategy(cfg: DictConfig, strategy: str) -> list[str]:
     """
     if strategy == "fsdp":
         return []
-    from omegaconf import OmegaConf
-
     from verl_sat.files import hydra_config_dir
 
     fsdp, megatron = _verl_reference_config("ppo_trainer"), _verl_reference_config("ppo_megatron_trainer")

@@ -34,8 +34,9 @@ from typing import Any, TextIO
 
 import psutil
 
-from verl_sat.files import read_json
+from verl_sat.files import read_json, read_jsonl, update_run_record
 from verl_sat.processes import PROCESSES_DIR, Watchdog
+from verl_sat.trainer.faults import read_sentinel_record, read_tracker
 
 EXIT_PROCESS_DIED = 4
 SERVER_CLASS_SUFFIX = "HttpServer"  # verl 0.9.1's vLLMHttpServer, SGLangHttpServer, TRTLLMHttpServer
@@ -106,16 +107,12 @@ def is_dead(entry: dict[str, Any], dead: set[str] | None) -> bool:
 
 def last_step(run_dir: Path) -> int:
     """The last global step in ``metrics.jsonl`` (0 if none)."""
-    from verl_sat.files import read_jsonl
-
     rows = read_jsonl(run_dir / "metrics.jsonl")
     return max((int(r["step"]) for r in rows), default=0)
 
 
 def in_flight(run_dir: Path) -> int:
     """Prompts handed to the rollout and not yet trained, from ``samples.jsonl``."""
-    from verl_sat.files import read_jsonl
-
     handed, trained = set(), set()
     for row in read_jsonl(run_dir / "samples.jsonl"):
         if row.get("event") == "submitted":
@@ -150,8 +147,6 @@ class Supervisor(Watchdog):
     def finished(self) -> bool:
         """Training is over (the last step is logged, or the sentinel gave its verdict): verl may
         now stop its actors, which is no fault."""
-        from verl_sat.trainer.faults import read_sentinel_record
-
         if self.total_steps is not None and last_step(self.run_dir) >= int(self.total_steps):
             return True
         return "final_step" in ((read_sentinel_record(self.run_dir) or {}).get("verdict") or {})
@@ -180,8 +175,6 @@ class Supervisor(Watchdog):
         return None
 
     def describe(self, failure: dict[str, Any]) -> str:
-        from verl_sat.trainer.faults import read_tracker
-
         checkpoints = self.run_dir / "checkpoints"
         kept = read_tracker(checkpoints)
         resume = f"the checkpoint of step {kept}" if kept is not None else "no checkpoint (trainer.save_freq)"
@@ -193,8 +186,6 @@ class Supervisor(Watchdog):
 
     def report(self, failure: dict[str, Any]) -> None:
         """One error line, and the fault in ``run.json``."""
-        from verl_sat.files import update_run_record
-
         self.failure = failure
         print(self.describe(failure), file=self.out or sys.stdout, flush=True)
         try:
