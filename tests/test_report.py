@@ -322,7 +322,7 @@ def check_figures(figures: dict, runs: list[Run], table) -> None:
     gate = figures["sat_gate.png"].axes
     for run in runs:
         column = 0 if run.lag == 1 else 1
-        for row, key in enumerate((report.GATE_RATE_KEY, report.Q_KEY)):
+        for row, key in enumerate((report.GATE_KEY, report.Q_KEY)):
             drawn = curves(gate[2 * row + column] if len(gate) == 4 else gate[row])
             if key in raw[run.name]:
                 assert points(drawn[run_label(run)]) == at(sorted(raw[run.name][key].items())), (run.name, key)

@@ -24,7 +24,6 @@ from verl_sat.default.data import heldout_problems  # noqa: F401  (sat.heldout's
 
 HELDOUT_KEY = "eval/heldout_acc"
 HELDOUT_GREEDY_KEY = "eval/heldout_greedy_acc"
-DEFAULT_SEED = task.HELDOUT_SEED
 
 
 @dataclass
@@ -43,7 +42,7 @@ class HeldoutConfig:
     problems: int = checked(0, lambda value: type(value) is int and 0 <= value <= 5000, "an integer in [0, 5000]")
     samples: int = integer(2, low=1)
     at: list[int] = field(default_factory=list)
-    seed: int = checked(DEFAULT_SEED, lambda value: type(value) is int, "an integer")
+    seed: int = checked(task.HELDOUT_SEED, lambda value: type(value) is int, "an integer")
 
     def __post_init__(self) -> None:
         check_fields(self, "sat.heldout")

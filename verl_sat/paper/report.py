@@ -35,8 +35,7 @@ import pandas as pd
 
 from verl_sat.files import read_metrics
 from verl_sat.paper.table import LAGS, PAPER_TABLE1, normalize_method
-from verl_sat.trainer.progress import DBAR_PI_KEY, Q_KEY, REWARD_KEY
-from verl_sat.trainer.progress import GATE_KEY as GATE_RATE_KEY
+from verl_sat.trainer.progress import DBAR_PI_KEY, GATE_KEY, Q_KEY, REWARD_KEY
 
 # verl metric names (docs/sat.md#diagnostics; verl's trainer for the reward and validation keys).
 REWARD_KEYS = (REWARD_KEY, "critic/rewards/mean")
@@ -421,7 +420,7 @@ def write_plots(
         return lambda run: run.series(key)
 
     fig4 = "Mismatch over training (paper Figure 4; * = paper's last-epoch value)"
-    gate = [(metric(GATE_RATE_KEY), "gate rate"), (metric(Q_KEY), "q (alpha-quantile of |d|)")]
+    gate = [(metric(GATE_KEY), "gate rate"), (metric(Q_KEY), "q (alpha-quantile of |d|)")]
     return [
         plot_panels(runs, [(metric(DBAR_PI_KEY), "dbar_pi = mean |log r|")], fig4, out / "fig4_dbar_pi.png", smooth,
                     paper("paper_dbar_pi")),
