@@ -333,7 +333,7 @@ class StudyLoop:
 
         from verl.trainer.ppo import core_algos
 
-        from verl_sat.rollout.engine import EngineOptions, HFEngine, _eos_ids
+        from verl_sat.rollout.engine import EngineOptions, HFEngine
 
         torch.set_num_threads(cfg.threads)
         self.cfg = cfg
@@ -346,12 +346,10 @@ class StudyLoop:
             router_bias_std=cfg.router_bias_std,
             seed=cfg.mismatch_seed,
         )
-        eos = _eos_ids(model, tokenizer)
-        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(eos)
-        self.rollout = HFEngine(copy.deepcopy(model).eval(), eos, pad, options)
+        self.rollout = HFEngine.from_model(copy.deepcopy(model).eval(), tokenizer, options)
         self.rollout.generator.manual_seed(cfg.seed)  # sampling: per seed; the biases: per mismatch_seed
         self.rollout.record_routes = cfg.routing_replay == "R3"
-        self.pad_id = pad
+        self.pad_id = self.rollout.pad_token_id
         self.optimizer = torch.optim.AdamW(self.policy.parameters(), lr=cfg.lr, weight_decay=0.0)
         self.actor_config = actor_config(cfg)
         self.loss_fn = core_algos.get_policy_loss_fn(cfg.loss_mode)
@@ -361,7 +359,7 @@ class StudyLoop:
         self.old_policy = copy.deepcopy(model).eval() if cfg.correction != "none" else None
         self.heldout = heldout_problems(cfg.eval_problems, cfg.eval_seed)
         self._heldout_pairs = {(p.a, p.b) for p in self.heldout}
-        self.eos = eos
+        self.eos = self.rollout.eos_token_ids
 
     # -- rollout -------------------------------------------------------------------------------
     def sync_weights(self, version: int) -> None:

@@ -70,11 +70,9 @@ def heldout_accuracy(
 ) -> dict[str, float]:
     """``{HELDOUT_KEY, HELDOUT_GREEDY_KEY}`` of ``model`` (left in eval mode's caller state:
     the caller switches train/eval) on ``problems``, from a fresh generator seeded ``seed``."""
-    from verl_sat.rollout.engine import EngineOptions, HFEngine, _eos_ids
+    from verl_sat.rollout.engine import EngineOptions, HFEngine
 
-    eos = _eos_ids(model, tokenizer)
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(eos)
-    engine = HFEngine(model, eos, pad, EngineOptions(seed=seed))
+    engine = HFEngine.from_model(model, tokenizer, EngineOptions(seed=seed))
     sampled = _score(engine, tokenizer, problems, samples, 1.0, max_response_length)
     greedy = _score(engine, tokenizer, problems, 1, 0.0, max_response_length)
     return {HELDOUT_KEY: sampled, HELDOUT_GREEDY_KEY: greedy}

@@ -121,7 +121,12 @@ class HFEngine:
         from transformers import AutoTokenizer
 
         model = load_model(path, options.experts_implementation)
-        tokenizer = AutoTokenizer.from_pretrained(path)
+        return cls.from_model(model, AutoTokenizer.from_pretrained(path), options)
+
+    @classmethod
+    def from_model(cls, model: Any, tokenizer: Any, options: EngineOptions) -> HFEngine:
+        """Around a loaded model: it stops at the generation config's and the tokenizer's end ids, and
+        pads with the tokenizer's pad id (else the smallest end id)."""
         eos = _eos_ids(model, tokenizer)
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(eos)
         return cls(model, eos, pad, options)
