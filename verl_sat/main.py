@@ -129,8 +129,8 @@ def main() -> None:
     from hydra._internal.utils import get_args_parser
 
     args = get_args_parser().parse_args()
-    if args.cfg == "job":
-        print_job(args)
+    if args.cfg == "job" and not (args.help or args.hydra_help or args.info or args.multirun or args.run):
+        print_job(args)  # with another command flag, Hydra's own check refuses the mix
     else:
         hydra_main()
 
