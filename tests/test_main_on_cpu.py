@@ -116,6 +116,10 @@ def test_cfg_job_prints_what_the_launch_hands_verl_and_builds_nothing(tmp_path, 
     out = capsys.readouterr().out
     assert out.startswith("# @package trainer.v1.separate_async\n")  # as Hydra's own --cfg prints a package
     assert OmegaConf.create(out).parameter_sync_step == 4
+    monkeypatch.setattr("sys.argv", [*argv, "--package", "trainer.logger"])  # a list: YAML, as Hydra prints it
+    main.main()
+    out = capsys.readouterr().out
+    assert out.startswith("# @package trainer.logger\n") and list(OmegaConf.create(out)) == list(printed.trainer.logger)
 
 
 def test_an_unset_reward_name_is_filled_with_the_path(assets, tmp_path, no_build):

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import hydra
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import Container, DictConfig, OmegaConf
 
 from verl_sat.files import METRICS_FILE, hydra_config_dir, read_metrics
 from verl_sat.preflight.cluster import PlacementWatch, prepare_cluster
@@ -115,7 +115,7 @@ def print_job(args: argparse.Namespace) -> None:
     node = cfg if package is None else OmegaConf.select(cfg, package)
     if node is None:
         raise SystemExit(f"package '{package}' not found in config")
-    if not isinstance(node, DictConfig):
+    if not isinstance(node, Container):  # a list is printed as YAML, as Hydra prints it
         print(node)
         return
     if package is not None:
