@@ -23,7 +23,7 @@ VLLM_CPU = [f"{name} @ {(PACKAGING / name).as_uri()}" for name in ("vllm", "torc
 MEGATRON_CPU = ["megatron-core==0.16.1", "mbridge==0.15.1", "einops==0.8.2"]
 # The studies' statistics (studies/lib/stats.py: t intervals, Wilcoxon, bootstrap, exact binomial).
 STUDY = ["scipy>=1.11"]
-TEST = ["pytest>=8", "hypothesis>=6.100", "ruff>=0.6"]
+TEST = ["pytest>=8", "pytest-xdist>=3.6", "hypothesis>=6.100", "ruff>=0.6"]
 
 setup(
     extras_require={

@@ -123,7 +123,7 @@ def assets(tmp_path_factory) -> Path:
 
 def pytest_configure(config: pytest.Config) -> None:
     """Under CI (``CI=true``, as .ci/run's environment sets it) print the 25 slowest tests, so every
-    CI log shows where the suite's time goes; the README's command stays ``python -m pytest -q``."""
+    CI log shows where the suite's time goes without a flag on the README's command."""
     if in_ci() and not config.option.durations:
         config.option.durations = 25
 
@@ -143,6 +143,15 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         config.hook.pytest_deselected(items=extended)
         items[:] = [item for item in items if not item.get_closest_marker("extended")]
         config._verl_sat_extended = len(extended)  # type: ignore[attr-defined]
+        if hasattr(config, "workeroutput"):  # a pytest-xdist worker: the controller prints the summary
+            config.workeroutput["extended_left_out"] = len(extended)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error) -> None:
+    """pytest-xdist's controller: each worker collects the whole suite, so any one's count is the run's."""
+    left = getattr(node, "workeroutput", {}).get("extended_left_out", 0)
+    node.config._verl_sat_extended = max(left, getattr(node.config, "_verl_sat_extended", 0))
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
