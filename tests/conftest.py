@@ -131,19 +131,10 @@ def pytest_configure(config: pytest.Config) -> None:
 EXTENDED_ENV = "VERL_SAT_EXTENDED"
 
 
-def launches_first(items: list[pytest.Item]) -> None:
-    """The files that launch the trainer (``e2e``) before the rest, each file's tests kept in order:
-    under ``--dist loadfile`` a worker takes the next file when it frees up, so the minutes-long files
-    start first and the short ones fill in beside them instead of one worker finishing alone."""
-    launching = {item.path for item in items if item.get_closest_marker("e2e")}
-    items.sort(key=lambda item: item.path not in launching)  # stable: the order within each group stays
-
-
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Leave the ``extended`` launches out unless asked (``VERL_SAT_EXTENDED=1``, or a ``-m``
     expression naming ``extended``): deselected, not skipped, and said in the summary, so the
     default run (and CI's) stays under its time budget (tests/README.md says which and who runs them)."""
-    launches_first(items)
     asked = os.environ.get(EXTENDED_ENV, "") not in ("", "0") or "extended" in (config.option.markexpr or "")
     if asked:
         return
