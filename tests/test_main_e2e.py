@@ -121,7 +121,11 @@ def test_auto_lag_broadcasts_when_the_mismatch_asks_and_keeps_its_bound(assets, 
     assert [r["step"] for r in rows] == list(range(1, 9))
     check_auto_lag_decisions(rows, target, low, high)
     gaps = [int(r["training/sat/auto_lag/lag"]) for r in rows if r["training/sat/auto_lag/broadcast"]]
-    assert gaps and all(low < k <= high for k in gaps), gaps  # one batch in flight: never one step after a broadcast
+    # The rollout runs a batch ahead, so on an idle machine the step after a broadcast trains on a batch
+    # drawn before it, which the fresh-batch rule keeps from triggering (gaps of 2). A loaded machine's
+    # slower rollout may draw part of that batch after the broadcast: then it is fresh, and a gap of 1 is
+    # the rule (check_auto_lag_decisions holds every decision to it, fresh or not).
+    assert gaps and all(low <= k <= high for k in gaps), gaps
     staleness = [r["training/sat/staleness_steps/max"] for r in rows]
     assert max(staleness) <= high and max(staleness) >= 2, staleness  # skipped syncs leave the rollout behind
     run = json.loads((tmp_path / "run" / "run.json").read_text())
