@@ -115,7 +115,7 @@ def print_job(args: argparse.Namespace) -> None:
     node = cfg if package is None else OmegaConf.select(cfg, package)
     if node is None:
         raise SystemExit(f"package '{package}' not found in config")
-    if not isinstance(node, Container):  # a list is printed as YAML, as Hydra prints it
+    if not isinstance(node, Container):  # a scalar as is; a dict or a list (Containers) as YAML, as Hydra prints them
         print(node)
         return
     if package is not None:
