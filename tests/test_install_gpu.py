@@ -42,7 +42,7 @@ def _verl_extra_pins(extra: str) -> dict[str, str]:
         if req.marker is not None and req.marker.evaluate({"extra": extra}):
             pinned = [s.version for s in req.specifier if s.operator == "=="]
             if pinned:
-                pins[stack.canonical_name(req.name)] = pinned[0]
+                pins[stack.canonicalize_name(req.name)] = pinned[0]
     return pins
 
 
@@ -83,7 +83,7 @@ def test_an_unnamed_requirement_has_no_override(dependent: str, requirement: str
 
 def test_an_override_needs_a_package_of_the_stack_and_a_reason() -> None:
     """Each override's dependent is a package of the stack, and it gives its reason."""
-    assert [o for o in OVERRIDES if stack.canonical_name(o.dependent) not in GPU_STACK or not o.reason.strip()] == []
+    assert [o for o in OVERRIDES if stack.canonicalize_name(o.dependent) not in GPU_STACK or not o.reason.strip()] == []
 
 
 def _report(name: str, version: str, requires: list[str]) -> dict:

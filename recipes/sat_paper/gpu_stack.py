@@ -17,6 +17,8 @@ import sys
 from pathlib import Path
 from types import ModuleType
 
+from packaging.utils import canonicalize_name
+
 STACK_FILE = Path(__file__).resolve().parents[2] / "verl_sat" / "preflight" / "stack.py"
 
 
@@ -30,7 +32,7 @@ def _load_stack() -> ModuleType:
 
 stack = _load_stack()
 GPU_STACK, OVERRIDES, Override = stack.GPU_STACK, stack.OVERRIDES, stack.Override
-canonical_name, override_for, _same_requirement = stack.canonical_name, stack.override_for, stack._same_requirement
+override_for, _same_requirement = stack.override_for, stack._same_requirement
 
 EXTRAS: dict[str, tuple[str, ...]] = {
     "verl": ("verl-core",),
@@ -87,13 +89,13 @@ TARGET_ENVIRONMENT: dict[str, str] = {
 
 def no_deps_packages() -> tuple[str, ...]:
     """The packages installed with ``--no-deps``: every dependent of an override, in stack order."""
-    dependents = {canonical_name(o.dependent) for o in OVERRIDES}
+    dependents = {canonicalize_name(o.dependent) for o in OVERRIDES}
     return tuple(name for name in GPU_STACK if name in dependents)
 
 
 def pin(name: str) -> str:
     """``name[extras]==version`` for a package of the stack."""
-    key = canonical_name(name)
+    key = canonicalize_name(name)
     if key not in GPU_STACK:
         raise KeyError(f"{name!r} is not a package of GPU_STACK ({', '.join(GPU_STACK)})")
     extras = EXTRAS.get(key, ())
@@ -118,8 +120,8 @@ def _met_by_pin(dependent: str, requirement: str) -> None:
     from packaging.requirements import Requirement
 
     req = Requirement(requirement)
-    name = canonical_name(req.name)
-    missing = {canonical_name(e) for e in req.extras} - set(EXTRAS.get(name, ()))
+    name = canonicalize_name(req.name)
+    missing = {canonicalize_name(e) for e in req.extras} - set(EXTRAS.get(name, ()))
     if not req.specifier.contains(GPU_STACK[name], prereleases=True) or missing:
         raise ValueError(
             f"{dependent} requires {requirement}, the stack installs {pin(name)}: "
@@ -141,7 +143,7 @@ def kept_requirements(report: dict) -> list[str]:
     kept: list[str] = []
     for item in report["install"]:
         meta = item["metadata"]
-        name = canonical_name(meta["name"])
+        name = canonicalize_name(meta["name"])
         if name not in no_deps:
             continue
         if meta["version"] != GPU_STACK[name]:
@@ -153,7 +155,7 @@ def kept_requirements(report: dict) -> list[str]:
                 continue
             if override_for(name, line) is not None:
                 continue
-            if canonical_name(req.name) in no_deps:
+            if canonicalize_name(req.name) in no_deps:
                 _met_by_pin(name, line)
                 continue
             req.marker = None
@@ -164,12 +166,12 @@ def kept_requirements(report: dict) -> list[str]:
 def stale_overrides(report: dict) -> list[Override]:
     """Overrides whose requirement the dependent in a pip ``--report`` no longer declares."""
     declared: dict[str, list[str]] = {
-        canonical_name(i["metadata"]["name"]): i["metadata"].get("requires_dist", []) for i in report["install"]
+        canonicalize_name(i["metadata"]["name"]): i["metadata"].get("requires_dist", []) for i in report["install"]
     }
     return [
         o
         for o in OVERRIDES
-        if not any(_same_requirement(o.requirement, line) for line in declared.get(canonical_name(o.dependent), []))
+        if not any(_same_requirement(o.requirement, line) for line in declared.get(canonicalize_name(o.dependent), []))
     ]
 
 
@@ -179,7 +181,7 @@ def resolved_summary(report: dict) -> list[str]:
     Raises ValueError naming the package when pip chose another version than the pin, or pulled in
     a ``--no-deps`` package (pip would then install that package's own pins too).
     """
-    chosen = {canonical_name(i["metadata"]["name"]): i["metadata"]["version"] for i in report["install"]}
+    chosen = {canonicalize_name(i["metadata"]["name"]): i["metadata"]["version"] for i in report["install"]}
     skipped = set(no_deps_packages()) | SOURCE_BUILDS
     pulled = sorted(skipped & set(chosen))
     if pulled:

@@ -25,14 +25,9 @@ Why each pin (read from the packages' metadata on the index):
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 
-
-def canonical_name(name: str) -> str:
-    """A distribution name as ``packaging.utils.canonicalize_name`` writes it (PEP 503)."""
-    return re.sub(r"[-_.]+", "-", name).lower()
-
+from packaging.utils import canonicalize_name
 
 GPU_STACK: dict[str, str] = {
     "verl": "0.9.1",
@@ -106,8 +101,8 @@ def _same_requirement(a: str, b: str) -> bool:
 
     ra, rb = Requirement(a), Requirement(b)
     return (
-        canonical_name(ra.name) == canonical_name(rb.name)
-        and {canonical_name(e) for e in ra.extras} == {canonical_name(e) for e in rb.extras}
+        canonicalize_name(ra.name) == canonicalize_name(rb.name)
+        and {canonicalize_name(e) for e in ra.extras} == {canonicalize_name(e) for e in rb.extras}
         and ra.specifier == rb.specifier
         and str(ra.marker or "") == str(rb.marker or "")
     )
@@ -116,7 +111,7 @@ def _same_requirement(a: str, b: str) -> bool:
 def override_for(dependent: str, requirement: str) -> Override | None:
     """The named override of ``dependent``'s ``requirement``, or None when the install must meet it."""
     for override in OVERRIDES:
-        if canonical_name(override.dependent) == canonical_name(dependent) and _same_requirement(
+        if canonicalize_name(override.dependent) == canonicalize_name(dependent) and _same_requirement(
             override.requirement, requirement
         ):
             return override
