@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 from types import ModuleType
 
+from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
 STACK_FILE = Path(__file__).resolve().parents[2] / "verl_sat" / "preflight" / "stack.py"
@@ -32,7 +33,7 @@ def _load_stack() -> ModuleType:
 
 stack = _load_stack()
 GPU_STACK, OVERRIDES, Override = stack.GPU_STACK, stack.OVERRIDES, stack.Override
-override_for, _same_requirement = stack.override_for, stack._same_requirement
+override_for = stack.override_for
 
 EXTRAS: dict[str, tuple[str, ...]] = {
     "verl": ("verl-core",),
@@ -117,8 +118,6 @@ def project_requirements(pyproject: Path) -> list[str]:
 
 def _met_by_pin(dependent: str, requirement: str) -> None:
     """Check that the pin of a ``--no-deps`` package meets ``dependent``'s requirement on it."""
-    from packaging.requirements import Requirement
-
     req = Requirement(requirement)
     name = canonicalize_name(req.name)
     missing = {canonicalize_name(e) for e in req.extras} - set(EXTRAS.get(name, ()))
@@ -137,8 +136,6 @@ def kept_requirements(report: dict) -> list[str]:
     by that package's pin (checked here, not passed to pip); a version other than the pin is an
     error naming both.
     """
-    from packaging.requirements import Requirement
-
     no_deps = set(no_deps_packages())
     kept: list[str] = []
     for item in report["install"]:
@@ -171,7 +168,9 @@ def stale_overrides(report: dict) -> list[Override]:
     return [
         o
         for o in OVERRIDES
-        if not any(_same_requirement(o.requirement, line) for line in declared.get(canonicalize_name(o.dependent), []))
+        if not any(
+            Requirement(o.requirement) == Requirement(line) for line in declared.get(canonicalize_name(o.dependent), [])
+        )
     ]
 
 

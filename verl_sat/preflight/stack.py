@@ -27,6 +27,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
 GPU_STACK: dict[str, str] = {
@@ -95,24 +96,12 @@ OVERRIDES: tuple[Override, ...] = (
 """Each place the install overrides a package's own pin, installing that package with ``--no-deps``."""
 
 
-def _same_requirement(a: str, b: str) -> bool:
-    """Two requirement strings that name the same package, extras, specifiers and marker."""
-    from packaging.requirements import Requirement
-
-    ra, rb = Requirement(a), Requirement(b)
-    return (
-        canonicalize_name(ra.name) == canonicalize_name(rb.name)
-        and {canonicalize_name(e) for e in ra.extras} == {canonicalize_name(e) for e in rb.extras}
-        and ra.specifier == rb.specifier
-        and str(ra.marker or "") == str(rb.marker or "")
-    )
-
-
 def override_for(dependent: str, requirement: str) -> Override | None:
     """The named override of ``dependent``'s ``requirement``, or None when the install must meet it."""
     for override in OVERRIDES:
-        if canonicalize_name(override.dependent) == canonicalize_name(dependent) and _same_requirement(
-            override.requirement, requirement
-        ):
+        # packaging's equality: the same name, extras, specifiers, URL and marker
+        if canonicalize_name(override.dependent) == canonicalize_name(dependent) and Requirement(
+            override.requirement
+        ) == Requirement(requirement):
             return override
     return None
