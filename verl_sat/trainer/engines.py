@@ -165,17 +165,14 @@ def register_engine(backend: str, mixins: tuple[type, ...]) -> str | None:
     """
     if not mixins:
         return None
+    from verl.utils.py_functional import temp_env_var
     from verl.workers.engine.base import EngineRegistry
 
     key = (backend, mixins)
     if key not in _COMPOSED:
         vendor = f"{VENDOR}:" + "+".join(m.__name__ for m in mixins)
-        previous = os.environ.pop("VERL_ENGINE_VENDOR", None)
-        try:
+        with temp_env_var("VERL_ENGINE_VENDOR", ""):  # verl reads "" as unset: the engine it would build
             base = EngineRegistry.get_engine_cls(MODEL_TYPE, backend)
-        finally:
-            if previous is not None:
-                os.environ["VERL_ENGINE_VENDOR"] = previous
         EngineRegistry.register(model_type=MODEL_TYPE, backend=backend, device=list(DEVICES), vendor=vendor)(
             compose(base, mixins)
         )

@@ -18,7 +18,6 @@ environment set, and ``run.json`` written. :func:`prepare_run` does these in ord
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import time
@@ -42,7 +41,7 @@ from verl_sat.default.assets import (
     default_values,
 )
 from verl_sat.default.heldout import HeldoutConfig
-from verl_sat.files import METRICS_FILE, RUN_RECORD
+from verl_sat.files import METRICS_FILE, RUN_RECORD, write_json
 from verl_sat.processes import RUN_DIR_ENV
 from verl_sat.trainer import auto_lag
 from verl_sat.trainer.accounting import prepare_resume
@@ -330,7 +329,7 @@ def write_run_record(
         **({"auto_lag": dict(sat.auto_lag.__dict__)} if sat.lag == auto_lag.AUTO else {}),
         "config": OmegaConf.to_container(cfg, resolve=True),
     }
-    (run_dir / RUN_RECORD).write_text(json.dumps(record, indent=1))
+    write_json(run_dir / RUN_RECORD, record)
 
 
 # ---------------------------------------------------------------------------------------------
