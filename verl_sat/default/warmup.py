@@ -71,16 +71,14 @@ def encode_example(tokenizer: Any, problem: task.Problem) -> tuple[list[int], in
 def make_batch(tokenizer: Any, problems: list[task.Problem]) -> dict[str, Any]:
     """Right-padded input ids, attention mask and response-only labels (-100 elsewhere)."""
     import torch
+    from torch.nn.utils.rnn import pad_sequence
 
-    encoded = [encode_example(tokenizer, p) for p in problems]
-    width = max(len(ids) for ids, _ in encoded)
-    input_ids = torch.full((len(encoded), width), tokenizer.pad_token_id, dtype=torch.long)
-    labels = torch.full_like(input_ids, -100)
-    attention_mask = torch.zeros_like(input_ids)
-    for row, (ids, prompt_len) in enumerate(encoded):
-        input_ids[row, : len(ids)] = torch.tensor(ids)
-        attention_mask[row, : len(ids)] = 1
-        labels[row, prompt_len : len(ids)] = torch.tensor(ids[prompt_len:])
+    encoded = [(torch.tensor(ids), prompt_len) for ids, prompt_len in (encode_example(tokenizer, p) for p in problems)]
+    input_ids = pad_sequence([ids for ids, _ in encoded], batch_first=True, padding_value=tokenizer.pad_token_id)
+    attention_mask = pad_sequence([torch.ones_like(ids) for ids, _ in encoded], batch_first=True)
+    labels = pad_sequence(
+        [torch.cat([torch.full((n,), -100), ids[n:]]) for ids, n in encoded], batch_first=True, padding_value=-100
+    )
     return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
 
 

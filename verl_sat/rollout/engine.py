@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from torch.nn.utils.rnn import pad_sequence
 
 from verl_sat.rollout.sampling import RowSampling, SamplingParams, sample_next
 from verl_sat.rollout.weights import load_named_tensors
@@ -187,13 +188,9 @@ class HFEngine:
 
     def _left_pad(self, prompts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
         """(B, L) ids left-padded with ``pad_token_id`` and the matching attention mask."""
-        width = max(len(p) for p in prompts)
-        ids = torch.full((len(prompts), width), self.pad_token_id, dtype=torch.long)
-        mask = torch.zeros((len(prompts), width), dtype=torch.long)
-        for row, prompt in enumerate(prompts):
-            if prompt:
-                ids[row, width - len(prompt) :] = torch.tensor(prompt, dtype=torch.long)
-                mask[row, width - len(prompt) :] = 1
+        rows = [torch.tensor(p, dtype=torch.long) for p in prompts]
+        ids = pad_sequence(rows, batch_first=True, padding_value=self.pad_token_id, padding_side="left")
+        mask = pad_sequence([torch.ones_like(r) for r in rows], batch_first=True, padding_side="left")
         return ids, mask
 
     def _forward(self, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, cache: Any) -> torch.Tensor:
