@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from verl_sat.config_node import config_from_node
+from verl_sat.config_node import check_fields, checked, config_from_node, number
 from verl_sat.files import read_json, update_run_record
 
 TRACKER = "latest_checkpointed_iteration.txt"  # verl's get_checkpoint_tracker_filename (read_tracker)
@@ -52,6 +52,12 @@ SENTINEL_RECORD = "sentinel.json"
 EXIT_COLLAPSED = 3
 
 
+def _global_steps(value: Any) -> bool:
+    """One global step >= 1, or a list of them."""
+    steps = value if isinstance(value, list | tuple) else [value]
+    return all(isinstance(s, int) and not isinstance(s, bool) and s >= 1 for s in steps)
+
+
 @dataclass
 class FaultConfig:
     """``sat.faults``: an injected fault, to watch a rollback (docs/faults.md). Off by default.
@@ -61,20 +67,13 @@ class FaultConfig:
         lr_spike_factor: the factor (> 0).
     """
 
-    lr_spike_steps: tuple[int, ...] = ()
-    lr_spike_factor: float = 100.0
+    lr_spike_steps: tuple[int, ...] = checked((), _global_steps, "a list of global steps >= 1")
+    lr_spike_factor: float = number(100.0, strictly_positive=True, expected="a number")
 
     def __post_init__(self) -> None:
+        check_fields(self, "sat.faults")
         steps = self.lr_spike_steps
-        steps = (steps,) if isinstance(steps, int) else tuple(steps)
-        if not all(isinstance(s, int) and not isinstance(s, bool) and s >= 1 for s in steps):
-            raise ValueError(
-                f"sat.faults.lr_spike_steps must be a list of global steps >= 1, got {self.lr_spike_steps!r}"
-            )
-        self.lr_spike_steps = steps
-        factor = self.lr_spike_factor
-        if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not factor > 0:
-            raise ValueError(f"sat.faults.lr_spike_factor must be a number > 0, got {factor!r}")
+        self.lr_spike_steps = (steps,) if isinstance(steps, int) else tuple(steps)
 
 
 # ---------------------------------------------------------------------------------------------
