@@ -42,7 +42,7 @@ def _verl_extra_pins(extra: str) -> dict[str, str]:
         if req.marker is not None and req.marker.evaluate({"extra": extra}):
             pinned = [s.version for s in req.specifier if s.operator == "=="]
             if pinned:
-                pins[stack.canonicalize_name(req.name)] = pinned[0]
+                pins[stack.canonical_name(req.name)] = pinned[0]
     return pins
 
 
@@ -83,7 +83,7 @@ def test_an_unnamed_requirement_has_no_override(dependent: str, requirement: str
 
 def test_an_override_needs_a_package_of_the_stack_and_a_reason() -> None:
     """Each override's dependent is a package of the stack, and it gives its reason."""
-    assert [o for o in OVERRIDES if stack.canonicalize_name(o.dependent) not in GPU_STACK or not o.reason.strip()] == []
+    assert [o for o in OVERRIDES if stack.canonical_name(o.dependent) not in GPU_STACK or not o.reason.strip()] == []
 
 
 def _report(name: str, version: str, requires: list[str]) -> dict:
@@ -114,6 +114,22 @@ def test_an_override_the_package_no_longer_declares_is_reported() -> None:
     """A stale override (the dependent dropped the pin) is named, so OVERRIDES stays true."""
     stale = gpu_stack.stale_overrides(_report("sglang", GPU_STACK["sglang"], ["transformers==5.9.0"]))
     assert gpu_stack.Override("sglang", "transformers==5.6.0", OVERRIDES[0].reason) in stale
+
+
+# What install_gpu.sh asks gpu_stack.py before it installs packaging (a fresh Python on the GPU node).
+BEFORE_PACKAGING = ("--no-deps", "--pip", "--python-version", "--platforms", "--pure-sdists")
+
+
+@pytest.mark.parametrize("question", BEFORE_PACKAGING)
+def test_what_the_install_asks_first_runs_on_a_python_without_packaging(question: str) -> None:
+    """-S -I: no site-packages, so no packaging; the answer equals the one this environment gives."""
+    script = str(SCRIPT.parent / "gpu_stack.py")
+    bare = subprocess.run([sys.executable, "-S", "-I", script, question], capture_output=True, text=True, timeout=60)
+    here = subprocess.run([sys.executable, script, question], capture_output=True, text=True, timeout=60)
+    assert bare.returncode == 0, bare.stderr[-2000:]
+    assert bare.stdout == here.stdout and bare.stdout.strip()
+    probe = subprocess.run([sys.executable, "-S", "-I", "-c", "import packaging"], capture_output=True, timeout=60)
+    assert probe.returncode != 0  # the bare interpreter really lacks it
 
 
 @pytest.mark.extended  # ~3-7 min: pip downloads whole wheels here (tests/README.md)

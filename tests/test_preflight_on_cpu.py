@@ -1150,7 +1150,6 @@ def test_module_imports_nothing_heavy() -> None:
         "re",
         "typing",
         "omegaconf",
-        "packaging",  # pure Python: requirements and names as pip reads them
         "verl_sat.default.assets",
         "verl_sat.processes",  # standard library only: the watch thread the supervisor shares
     }, top

@@ -17,9 +17,6 @@ import sys
 from pathlib import Path
 from types import ModuleType
 
-from packaging.requirements import Requirement
-from packaging.utils import canonicalize_name
-
 STACK_FILE = Path(__file__).resolve().parents[2] / "verl_sat" / "preflight" / "stack.py"
 
 
@@ -33,7 +30,7 @@ def _load_stack() -> ModuleType:
 
 stack = _load_stack()
 GPU_STACK, OVERRIDES, Override = stack.GPU_STACK, stack.OVERRIDES, stack.Override
-override_for = stack.override_for
+canonical_name, override_for = stack.canonical_name, stack.override_for
 
 EXTRAS: dict[str, tuple[str, ...]] = {
     "verl": ("verl-core",),
@@ -90,13 +87,13 @@ TARGET_ENVIRONMENT: dict[str, str] = {
 
 def no_deps_packages() -> tuple[str, ...]:
     """The packages installed with ``--no-deps``: every dependent of an override, in stack order."""
-    dependents = {canonicalize_name(o.dependent) for o in OVERRIDES}
+    dependents = {canonical_name(o.dependent) for o in OVERRIDES}
     return tuple(name for name in GPU_STACK if name in dependents)
 
 
 def pin(name: str) -> str:
     """``name[extras]==version`` for a package of the stack."""
-    key = canonicalize_name(name)
+    key = canonical_name(name)
     if key not in GPU_STACK:
         raise KeyError(f"{name!r} is not a package of GPU_STACK ({', '.join(GPU_STACK)})")
     extras = EXTRAS.get(key, ())
@@ -118,9 +115,11 @@ def project_requirements(pyproject: Path) -> list[str]:
 
 def _met_by_pin(dependent: str, requirement: str) -> None:
     """Check that the pin of a ``--no-deps`` package meets ``dependent``'s requirement on it."""
+    from packaging.requirements import Requirement
+
     req = Requirement(requirement)
-    name = canonicalize_name(req.name)
-    missing = {canonicalize_name(e) for e in req.extras} - set(EXTRAS.get(name, ()))
+    name = canonical_name(req.name)
+    missing = {canonical_name(e) for e in req.extras} - set(EXTRAS.get(name, ()))
     if not req.specifier.contains(GPU_STACK[name], prereleases=True) or missing:
         raise ValueError(
             f"{dependent} requires {requirement}, the stack installs {pin(name)}: "
@@ -136,11 +135,13 @@ def kept_requirements(report: dict) -> list[str]:
     by that package's pin (checked here, not passed to pip); a version other than the pin is an
     error naming both.
     """
+    from packaging.requirements import Requirement
+
     no_deps = set(no_deps_packages())
     kept: list[str] = []
     for item in report["install"]:
         meta = item["metadata"]
-        name = canonicalize_name(meta["name"])
+        name = canonical_name(meta["name"])
         if name not in no_deps:
             continue
         if meta["version"] != GPU_STACK[name]:
@@ -152,7 +153,7 @@ def kept_requirements(report: dict) -> list[str]:
                 continue
             if override_for(name, line) is not None:
                 continue
-            if canonicalize_name(req.name) in no_deps:
+            if canonical_name(req.name) in no_deps:
                 _met_by_pin(name, line)
                 continue
             req.marker = None
@@ -162,14 +163,16 @@ def kept_requirements(report: dict) -> list[str]:
 
 def stale_overrides(report: dict) -> list[Override]:
     """Overrides whose requirement the dependent in a pip ``--report`` no longer declares."""
+    from packaging.requirements import Requirement
+
     declared: dict[str, list[str]] = {
-        canonicalize_name(i["metadata"]["name"]): i["metadata"].get("requires_dist", []) for i in report["install"]
+        canonical_name(i["metadata"]["name"]): i["metadata"].get("requires_dist", []) for i in report["install"]
     }
     return [
         o
         for o in OVERRIDES
         if not any(
-            Requirement(o.requirement) == Requirement(line) for line in declared.get(canonicalize_name(o.dependent), [])
+            Requirement(o.requirement) == Requirement(line) for line in declared.get(canonical_name(o.dependent), [])
         )
     ]
 
@@ -180,7 +183,7 @@ def resolved_summary(report: dict) -> list[str]:
     Raises ValueError naming the package when pip chose another version than the pin, or pulled in
     a ``--no-deps`` package (pip would then install that package's own pins too).
     """
-    chosen = {canonicalize_name(i["metadata"]["name"]): i["metadata"]["version"] for i in report["install"]}
+    chosen = {canonical_name(i["metadata"]["name"]): i["metadata"]["version"] for i in report["install"]}
     skipped = set(no_deps_packages()) | SOURCE_BUILDS
     pulled = sorted(skipped & set(chosen))
     if pulled:

@@ -25,10 +25,18 @@ Why each pin (read from the packages' metadata on the index):
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
-from packaging.requirements import Requirement
-from packaging.utils import canonicalize_name
+
+def canonical_name(name: str) -> str:
+    """A distribution name as ``packaging.utils.canonicalize_name`` writes it (PEP 503).
+
+    Written out here because ``install_gpu.sh`` reads this file before ``packaging`` is installed
+    (``gpu_stack.py --no-deps`` and ``--pip`` run on a bare Python); everything that needs more
+    imports ``packaging`` inside the function."""
+    return re.sub(r"[-_.]+", "-", name).lower()
+
 
 GPU_STACK: dict[str, str] = {
     "verl": "0.9.1",
@@ -98,9 +106,11 @@ OVERRIDES: tuple[Override, ...] = (
 
 def override_for(dependent: str, requirement: str) -> Override | None:
     """The named override of ``dependent``'s ``requirement``, or None when the install must meet it."""
+    from packaging.requirements import Requirement  # installed by now: install_gpu.sh, or verl's own
+
     for override in OVERRIDES:
         # packaging's equality: the same name, extras, specifiers, URL and marker
-        if canonicalize_name(override.dependent) == canonicalize_name(dependent) and Requirement(
+        if canonical_name(override.dependent) == canonical_name(dependent) and Requirement(
             override.requirement
         ) == Requirement(requirement):
             return override
